@@ -1,0 +1,437 @@
+"""The `vault` command: one line of error and a non-zero exit for anything that goes wrong."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from cli import config as config_module
+from cli.config import Config
+from cli.progress import Progress
+from vault.client import BlobInfo, ProvenEntry, VaultClient
+from vault.digest import Digest
+from vault.entry import KINDS, Entry
+from vault.errors import InvalidArgument, VaultError
+
+
+def _client(config: Config) -> VaultClient:
+    return VaultClient(
+        config.client.server,
+        state=config.state_path,
+        verifier_key=config.client.verifier_key or None,
+        author=config.client.author or None,
+        timeout=config.client.timeout or None,
+    )
+
+
+def _blob_dict(blob: BlobInfo) -> dict[str, Any]:
+    return {
+        "sha256": str(blob.sha256),
+        "blake3": str(blob.blake3),
+        "size": blob.size,
+        "stored_at": blob.stored_at,
+    }
+
+
+def _entry_dict(entry: Entry) -> dict[str, Any]:
+    return {
+        "index": entry.index,
+        "kind": entry.kind,
+        "subjects": list(entry.subjects),
+        "meta": dict(entry.meta),
+        "external": entry.external,
+        "author": entry.author,
+        "time": entry.time,
+        "prev": entry.prev.hex(),
+    }
+
+
+def _entry_line(entry: Entry) -> str:
+    meta = " ".join(f"{k}={v}" for k, v in entry.meta.items())
+    external = " (external)" if entry.external else ""
+    return (
+        f"{entry.index:>8}  {entry.time}  {entry.kind:<10} {' '.join(entry.subjects)}{external}"
+        f"  by {entry.author}" + (f"  {meta}" if meta else "")
+    )
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=None, ensure_ascii=False))
+
+
+# ---------------------------------------------------------------------- commands
+
+
+def cmd_serve(args: argparse.Namespace, config: Config) -> int:
+    from cli.serve import serve
+
+    return serve(config, args.listen)
+
+
+def cmd_put(args: argparse.Namespace, config: Config) -> int:
+    results = []
+    with _client(config) as client:
+        for path in args.paths:
+            if path == "-":
+                source: Any = sys.stdin.buffer
+                total = None
+            else:
+                source = path
+                try:
+                    total = os.stat(path).st_size
+                except OSError as exc:
+                    raise InvalidArgument(f"cannot read {path}: {exc.strerror}") from None
+            bar = Progress(f"put {path}", total) if not args.json else None
+            try:
+                result = client.put(source, expected=args.expect, progress=bar)
+            finally:
+                if bar:
+                    bar.close()
+            results.append({"path": path, "created": result.created, **_blob_dict(result.blob)})
+            if not args.json:
+                print(f"{result.blob.sha256}  {result.blob.blake3}  {path}")
+    if args.json:
+        _print_json(results if len(results) > 1 else results[0])
+    return 0
+
+
+def cmd_get(args: argparse.Namespace, config: Config) -> int:
+    with _client(config) as client:
+        if args.output and args.output != "-":
+            stat = client.stat(args.digest) if not args.json else None
+            total = (
+                args.length
+                if args.length is not None
+                else (stat.blob.size - args.offset if stat else None)
+            )
+            bar = Progress(f"get {args.digest[:19]}…", total) if not args.json else None
+            try:
+                info = client.get(
+                    args.digest, args.output, offset=args.offset, length=args.length, progress=bar
+                )
+            finally:
+                if bar:
+                    bar.close()
+            if args.json:
+                _print_json({"path": args.output, **_blob_dict(info)})
+            return 0
+        reader = client.open(args.digest, offset=args.offset, length=args.length)
+        out = sys.stdout.buffer
+        for piece in reader.chunks():
+            out.write(piece)
+        out.flush()
+    return 0
+
+
+def cmd_stat(args: argparse.Namespace, config: Config) -> int:
+    with _client(config) as client:
+        stat = client.stat(args.digest)
+    if args.json:
+        _print_json({**_blob_dict(stat.blob), "pins": [_entry_dict(e) for e in stat.pins]})
+        return 0
+    print(f"sha256     {stat.blob.sha256}")
+    print(f"blake3     {stat.blob.blake3}")
+    print(f"size       {stat.blob.size}")
+    print(f"stored     {stat.blob.stored_at}")
+    if not stat.pins:
+        print("pins       none")
+    for entry in stat.pins:
+        print(f"pin        {_entry_line(entry).strip()}")
+    return 0
+
+
+def cmd_find_missing(args: argparse.Namespace, config: Config) -> int:
+    digests = list(args.digests)
+    if not digests or digests == ["-"]:
+        digests = [line.strip() for line in sys.stdin if line.strip()]
+    with _client(config) as client:
+        missing = client.find_missing(digests)
+    if args.json:
+        _print_json({"missing": missing})
+    else:
+        for d in missing:
+            print(d)
+    return 1 if missing else 0
+
+
+def _parse_meta(items: Sequence[str]) -> dict[str, str]:
+    meta: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise InvalidArgument(f"--meta {item!r}: expected key=value")
+        if key in meta:
+            raise InvalidArgument(f"--meta key {key!r} is given twice")
+        meta[key] = value
+    return meta
+
+
+def _proven_dict(p: ProvenEntry) -> dict[str, Any]:
+    return {
+        **_entry_dict(p.entry),
+        "leaf_hash": p.leaf_hash.hex(),
+        "inclusion": [h.hex() for h in p.proof],
+        "checkpoint": {"size": p.checkpoint.size, "root": p.checkpoint.root.hex()},
+    }
+
+
+def cmd_pin(args: argparse.Namespace, config: Config) -> int:
+    with _client(config) as client:
+        proven = client.pin(
+            args.kind, args.digests, meta=_parse_meta(args.meta), external=args.external
+        )
+    if args.json:
+        _print_json(_proven_dict(proven))
+    else:
+        subjects = " ".join(proven.entry.subjects)
+        print(f"pinned as entry {proven.entry.index}: {proven.entry.kind} {subjects}")
+        print(f"  included in checkpoint of size {proven.checkpoint.size} (verified)")
+    return 0
+
+
+def cmd_lookup(args: argparse.Namespace, config: Config) -> int:
+    with _client(config) as client:
+        found = client.lookup(args.digest)
+    if args.json:
+        _print_json([_proven_dict(p) for p in found])
+        return 0
+    checkpoint = found[0].checkpoint
+    print(f"{len(found)} entr{'y' if len(found) == 1 else 'ies'} pin {args.digest}")
+    for p in found:
+        print(_entry_line(p.entry))
+    root = base64.b64encode(checkpoint.root).decode()
+    print(f"verified: inclusion in checkpoint size {checkpoint.size} root {root}")
+    return 0
+
+
+def cmd_log(args: argparse.Namespace, config: Config) -> int:
+    if args.kind and args.kind not in KINDS:
+        raise InvalidArgument(f"unknown kind {args.kind!r}: expected one of {', '.join(KINDS)}")
+    with _client(config) as client:
+        for entry in client.log(
+            start=args.start,
+            limit=args.limit,
+            kind=args.kind or "",
+            digest=str(Digest.parse(args.digest)) if args.digest else "",
+            author=args.author or "",
+            since=args.since or "",
+            until=args.until or "",
+        ):
+            if args.json:
+                _print_json(_entry_dict(entry))
+            else:
+                print(_entry_line(entry))
+    return 0
+
+
+def cmd_checkpoint(args: argparse.Namespace, config: Config) -> int:
+    with _client(config) as client:
+        if args.key:
+            print(client.verifier())
+            return 0
+        sys.stdout.write(client.checkpoint_note())
+    return 0
+
+
+def cmd_proof(args: argparse.Namespace, config: Config) -> int:
+    with _client(config) as client:
+        if args.proof == "inclusion":
+            proof = client.inclusion_proof(args.index, args.size)
+            value: dict[str, Any] = {
+                "index": proof.index,
+                "size": proof.size,
+                "leaf_hash": proof.leaf_hash.hex(),
+                "hashes": [h.hex() for h in proof.hashes],
+            }
+        else:
+            c = client.consistency_proof(args.old, args.new)
+            value = {
+                "old_size": c.old_size,
+                "new_size": c.new_size,
+                "hashes": [h.hex() for h in c.hashes],
+            }
+    if args.json:
+        _print_json(value)
+    else:
+        for key, item in value.items():
+            if key == "hashes":
+                print("hashes")
+                for h in item:
+                    print(f"  {h}")
+            else:
+                print(f"{key:<10} {item}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace, config: Config) -> int:
+    with _client(config) as client:
+        bar = Progress("verify ledger", None, unit="entries")
+        report = client.audit(progress=lambda done, total: bar.set(done, total))
+        bar.close()
+        ok = report.ok
+        print(f"ledger: {report.entries} entries, {report.checkpoints} checkpoints checked")
+        for failure in sorted(report.failures, key=lambda f: f.index)[:20]:
+            print(f"  FAIL {failure}")
+        if len(report.failures) > 20:
+            print(f"  … and {len(report.failures) - 20} more failures")
+        if report.first:
+            print(f"ledger verification FAILED: first break at index {report.first.index}")
+        else:
+            print("ledger OK")
+        if args.blobs:
+            bar = Progress("verify blobs", None, unit="blobs")
+            checked = failed = 0
+            for step in client.verify_blobs():
+                checked = step.checked
+                bar.set(step.checked, step.total)
+                if step.failed_digest:
+                    failed += 1
+                    print(f"  FAIL blob {step.failed_digest}: {step.failure}")
+            bar.close()
+            print(f"blobs: {checked} pinned blobs checked, {failed} failed")
+            ok = ok and failed == 0
+    return 0 if ok else 1
+
+
+# ---------------------------------------------------------------------- parser
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, found {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, found {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vault", description="pinvault: a verifiable pin vault and content store."
+    )
+    parser.add_argument("--config", help="TOML config file (default: $PINVAULT_CONFIG)")
+    parser.add_argument(
+        "--server", help="vault server address (default: client.server, 127.0.0.1:7411)"
+    )
+    parser.add_argument(
+        "--data-dir", help="data folder for `serve` (default: ~/.local/share/pinvault)"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the vault server")
+    p.add_argument("--listen", help="address to listen on (host:port, port 0 picks one; unix:PATH)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("put", help="store files (or - for standard input); prints their digests")
+    p.add_argument("paths", nargs="+", metavar="PATH")
+    p.add_argument("--expect", metavar="DIGEST", help="refuse unless the bytes hash to DIGEST")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_put)
+
+    p = sub.add_parser("get", help="fetch a blob by digest, verified")
+    p.add_argument("digest")
+    p.add_argument("-o", "--output", help="write to this path (default: standard output)")
+    p.add_argument("--offset", type=_non_negative, default=0)
+    p.add_argument("--length", type=_non_negative)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_get)
+
+    p = sub.add_parser("stat", help="size, digests, time stored and pins of a blob")
+    p.add_argument("digest")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_stat)
+
+    p = sub.add_parser("find-missing", help="print the digests the store lacks (exit 1 if any)")
+    p.add_argument(
+        "digests", nargs="*", metavar="DIGEST", help="digests, or - / none for standard input"
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_find_missing)
+
+    p = sub.add_parser("pin", help="append a pin entry to the ledger")
+    p.add_argument("kind", choices=KINDS)
+    p.add_argument("digests", nargs="+", metavar="DIGEST")
+    p.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--external", action="store_true", help="content kept elsewhere (an OCI registry)"
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_pin)
+
+    p = sub.add_parser("lookup", help="entries pinning a digest, with verified inclusion proofs")
+    p.add_argument("digest")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_lookup)
+
+    p = sub.add_parser("log", help="page through ledger entries")
+    p.add_argument("--kind")
+    p.add_argument("--digest")
+    p.add_argument("--author")
+    p.add_argument("--since", help="RFC 3339 time, inclusive")
+    p.add_argument("--until", help="RFC 3339 time, exclusive")
+    p.add_argument("--start", type=_non_negative, default=0, help="first index")
+    p.add_argument("--limit", type=_non_negative)
+    p.add_argument("--json", action="store_true", help="one JSON object a line")
+    p.set_defaults(func=cmd_log)
+
+    p = sub.add_parser("checkpoint", help="print the latest signed checkpoint (verified)")
+    p.add_argument("--key", action="store_true", help="print the vault's verifier key instead")
+    p.set_defaults(func=cmd_checkpoint)
+
+    p = sub.add_parser("proof", help="print an inclusion or consistency proof")
+    proofs = p.add_subparsers(dest="proof", required=True, metavar="KIND")
+    q = proofs.add_parser("inclusion", help="entry INDEX is in the tree of size --size")
+    q.add_argument("index", type=_non_negative)
+    q.add_argument("--size", type=_non_negative, default=0, help="default: the latest checkpoint")
+    q.add_argument("--json", action="store_true")
+    q = proofs.add_parser("consistency", help="tree OLD is a prefix of tree NEW")
+    q.add_argument("old", type=_non_negative)
+    q.add_argument("new", type=_non_negative)
+    q.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_proof)
+
+    p = sub.add_parser(
+        "verify", help="audit the whole ledger (and with --blobs, every pinned blob)"
+    )
+    p.add_argument("--blobs", action="store_true")
+    p.set_defaults(func=cmd_verify)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = config_module.load(args.config)
+        overrides: dict[str, Any] = {}
+        if args.server:
+            overrides["client"] = {"server": args.server}
+        if args.data_dir:
+            overrides["data_dir"] = args.data_dir
+        if overrides:
+            config = config_module.apply(config, overrides, "the command line")
+        return int(args.func(args, config))
+    except VaultError as exc:
+        print(f"vault: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("vault: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

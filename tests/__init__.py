@@ -1,0 +1,1 @@
+"""pinvault's tests."""

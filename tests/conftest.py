@@ -1,0 +1,63 @@
+"""Fixtures shared by every test: a clean environment, and a real PostgreSQL started once per
+test run on a private Unix socket."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import make_url
+
+from tests.services.postgres import PostgresServer
+
+# -- environment ---------------------------------------------------------------------------
+
+# A developer's real credentials or server settings must never reach a test, and a test must
+# not pass only because they happen to be set.
+STRIPPED_ENV_PREFIXES = ("AWS_", "PINVAULT_", "PG")
+# With no credentials in the environment, boto3 would go on to read ~/.aws and then ask the
+# EC2 metadata address; point it at nothing instead.
+PINNED_ENV = {
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def clean_environment() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        for name in list(os.environ):
+            if name.startswith(STRIPPED_ENV_PREFIXES):
+                patch.delenv(name)
+        for name, value in PINNED_ENV.items():
+            patch.setenv(name, value)
+        yield
+
+
+# -- PostgreSQL ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def postgres_server(clean_environment: None) -> Iterator[PostgresServer]:
+    """One private cluster for the whole run; see tests/services/postgres.py."""
+    with PostgresServer() as server:
+        yield server
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
+    """SQLAlchemy URL of a fresh, empty database, dropped after the test."""
+    url = postgres_server.create_database()
+    yield url
+    database = make_url(url).database
+    assert database is not None
+    postgres_server.drop_database(database)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Lets `-m "not postgres"` leave the server unstarted.
+    for item in items:
+        if "postgres_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.postgres)

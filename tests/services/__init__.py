@@ -1,0 +1,1 @@
+"""Real servers that tests run against, each started privately for one test run."""

@@ -1,0 +1,153 @@
+"""`vault verify`'s audit: re-derive every leaf hash, chain link, Merkle root and signature from
+the stored ledger, and name the first index where anything breaks. No I/O: the caller streams
+the stored rows and checkpoint notes in."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from vault.checkpoint import Checkpoint, Verifier
+from vault.entry import FORMAT_VERSION, ZERO_HASH
+from vault.errors import VerificationError
+from vault.ledger import RawEntry
+from vault.merkle import CompactRange
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    index: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"index {self.index}: {self.message}"
+
+
+@dataclass
+class AuditReport:
+    entries: int = 0
+    checkpoints: int = 0
+    failures: list[Failure] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    @property
+    def first(self) -> Failure | None:
+        return min(self.failures, key=lambda f: f.index) if self.failures else None
+
+
+class Auditor:
+    """Feed stored entry rows in index order, then call `finish`. Failures are collected; the
+    first (lowest index) is the one to report, but all are kept for the operator."""
+
+    def __init__(self, verifier: Verifier, origin: str, notes: Iterable[str]) -> None:
+        self.report = AuditReport()
+        self._range = CompactRange()
+        self._prev = ZERO_HASH
+        self._roots: dict[int, list[Checkpoint]] = {}
+        for note in notes:
+            self.report.checkpoints += 1
+            try:
+                checkpoint = verifier.open(note)
+            except VerificationError as exc:
+                self._fail(_note_size(note), f"checkpoint: {exc}")
+                continue
+            if checkpoint.origin != origin:
+                self._fail(
+                    checkpoint.size,
+                    f"checkpoint for size {checkpoint.size} names origin {checkpoint.origin!r}, "
+                    f"not {origin!r}",
+                )
+                continue
+            self._roots.setdefault(checkpoint.size, []).append(checkpoint)
+        self._check_roots(0)
+
+    def _fail(self, index: int, message: str) -> None:
+        self.report.failures.append(Failure(index, message))
+
+    def _check_roots(self, size: int) -> None:
+        for checkpoint in self._roots.pop(size, ()):
+            if checkpoint.root != self._range.root():
+                self._fail(
+                    max(size - 1, 0),
+                    f"the Merkle root of the first {size} entries does not match the root "
+                    f"signed in the checkpoint for size {size}",
+                )
+
+    def feed(self, rows: Iterable[RawEntry]) -> None:
+        sha256 = hashlib.sha256
+        for row in rows:
+            n = self.report.entries
+            if row.index != n:
+                if row.index > n:
+                    self._fail(n, f"entry {n} is missing (the next stored entry is {row.index})")
+                else:
+                    self._fail(n, f"entry {row.index} appears again after entry {n - 1}")
+                # Resynchronise on the stored index so one gap is reported once.
+                if row.index < n:
+                    continue
+                self.report.entries = n = row.index
+            leaf = sha256(b"\x00" + row.body).digest()
+            if leaf != row.leaf_hash:
+                self._fail(n, "the stored leaf hash does not match the entry's bytes")
+            self._check_body(n, row)
+            self._range.append(leaf)
+            self._prev = leaf
+            self.report.entries = n + 1
+            if self._roots:
+                self._check_roots(n + 1)
+
+    def _check_body(self, n: int, row: RawEntry) -> None:
+        try:
+            body = json.loads(row.body)
+        except (UnicodeDecodeError, ValueError):
+            self._fail(n, "the entry's bytes are not JSON")
+            return
+        if not isinstance(body, dict) or body.get("v") != FORMAT_VERSION:
+            self._fail(n, "the entry is not a version-1 entry object")
+            return
+        if body.get("index") != n:
+            self._fail(n, f"the entry at position {n} says it is entry {body.get('index')!r}")
+        if body.get("prev") != self._prev.hex():
+            self._fail(n, f"chain broken: the entry's prev hash is not the hash of entry {n - 1}")
+        if (
+            body.get("kind") != row.kind
+            or body.get("author") != row.author
+            or body.get("time") != row.time
+            or body.get("external") != row.external
+            or sorted(body.get("subjects") or ()) != list(row.subjects)
+        ):
+            self._fail(
+                n, "the stored index columns (kind, author, time, subjects) disagree with the entry"
+            )
+
+    def finish(self, head_size: int) -> AuditReport:
+        n = self.report.entries
+        if head_size != n:
+            self._fail(
+                min(head_size, n),
+                f"the ledger head records {head_size} entries but {n} are stored"
+                + (" (truncated)" if head_size > n else " (entries were inserted)"),
+            )
+        for size in sorted(self._roots):
+            self._fail(
+                n,
+                f"a checkpoint was signed for size {size} but only {n} entries are stored "
+                "(the ledger was truncated)",
+            )
+        self._roots.clear()
+        return self.report
+
+
+def _note_size(note: str) -> int:
+    lines = note.split("\n")
+    try:
+        return int(lines[1])
+    except (IndexError, ValueError):
+        return 0

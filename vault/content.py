@@ -1,0 +1,149 @@
+"""The content store as the services see it: any `BlobStore` for the bytes, plus the catalog
+that makes a blob visible once durable and answers for it by either digest."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Final
+
+from sqlalchemy import bindparam, select, text
+from sqlalchemy.dialects import postgresql, sqlite
+
+from vault import db as tables
+from vault.db import Database
+from vault.digest import Digest
+from vault.errors import IntegrityError, InvalidArgument, NotFound, VaultError
+from vault.storage import BlobInfo, BlobStore, Chunk
+
+_QUERY_BATCH: Final = 900
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlob:
+    info: BlobInfo
+    stored_at: str
+
+
+@dataclass(frozen=True, slots=True)
+class BlobCheck:
+    """One pinned blob's audit result; `failure` is empty when it is present and intact."""
+
+    digest: str
+    size: int
+    failure: str = ""
+
+
+class Content:
+    def __init__(self, db: Database, store: BlobStore) -> None:
+        self.db = db
+        self.store = store
+
+    # ------------------------------------------------------------------ writes
+
+    def put(self, data: Iterable[bytes], expected: Digest | None = None) -> tuple[StoredBlob, bool]:
+        """Stream bytes into the store; the blob is catalogued (visible) only once durable."""
+        with self.store.writer() as writer:
+            for piece in data:
+                writer.write(piece)
+            info, created = writer.commit(expected)
+        stored_at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        insert = (sqlite.insert if self.db.is_sqlite else postgresql.insert)(tables.blobs)
+        with self.db.write.begin() as conn:
+            conn.execute(
+                insert.values(
+                    sha256=str(info.sha256),
+                    blake3=str(info.blake3),
+                    size=info.size,
+                    stored_at=stored_at,
+                ).on_conflict_do_nothing()
+            )
+        found = self.find(info.sha256)
+        assert found is not None
+        return found, created
+
+    # ------------------------------------------------------------------ reads
+
+    _BY_SHA256 = text("SELECT sha256, blake3, size, stored_at FROM blobs WHERE sha256 = :d")
+    _BY_BLAKE3 = text("SELECT sha256, blake3, size, stored_at FROM blobs WHERE blake3 = :d")
+
+    def find(self, digest: Digest) -> StoredBlob | None:
+        query = self._BY_SHA256 if digest.algorithm == "sha256" else self._BY_BLAKE3
+        with self.db.read.connect() as conn:
+            row = conn.execute(query, {"d": str(digest)}).first()
+        if row is None:
+            return None
+        sha, b3, size, stored_at = row
+        return StoredBlob(BlobInfo(Digest.parse(sha), Digest.parse(b3), size), stored_at)
+
+    def get(self, digest: Digest) -> StoredBlob:
+        found = self.find(digest)
+        if found is None:
+            raise NotFound(f"blob {digest} is not in the store")
+        return found
+
+    _PRESENT = text(
+        "SELECT sha256, blake3 FROM blobs WHERE sha256 IN :d OR blake3 IN :d"
+    ).bindparams(bindparam("d", expanding=True))
+
+    def find_missing(self, digests: Iterable[str]) -> list[str]:
+        """The digests (as given) that the store does not hold, in the order given."""
+        wanted = list(digests)
+        for d in wanted:
+            Digest.parse(d)
+        present: set[str] = set()
+        unique = list(dict.fromkeys(wanted))
+        with self.db.read.connect() as conn:
+            for start in range(0, len(unique), _QUERY_BATCH):
+                part = unique[start : start + _QUERY_BATCH]
+                for sha, b3 in conn.execute(self._PRESENT, {"d": part}):
+                    present.add(sha)
+                    present.add(b3)
+        return [d for d in wanted if d not in present]
+
+    def read(
+        self, digest: Digest, offset: int = 0, length: int | None = None
+    ) -> tuple[StoredBlob, int, Iterator[Chunk]]:
+        """The blob and the whole verified chunks covering the range; the range is checked first."""
+        blob = self.get(digest)
+        size = blob.info.size
+        if offset > size:
+            raise InvalidArgument(f"offset {offset} is beyond the end of {digest} ({size} bytes)")
+        if length is not None and offset + length > size:
+            raise InvalidArgument(
+                f"range {offset}+{length} is beyond the end of {digest} ({size} bytes)"
+            )
+        if length is None:
+            length = size - offset
+        return blob, length, self.store.read(blob.info.sha256, offset, length)
+
+    # ------------------------------------------------------------------ audit
+
+    _PINNED = text(
+        "SELECT DISTINCT s.digest FROM entry_subjects s JOIN entries e ON e.idx = s.idx "
+        "WHERE e.external = :external ORDER BY s.digest"
+    )
+
+    def pinned_digests(self) -> list[str]:
+        with self.db.read.connect() as conn:
+            return [d for (d,) in conn.execute(self._PINNED, {"external": False})]
+
+    def check(self, digest: str) -> BlobCheck:
+        """Re-hash one pinned blob's stored copy against its digest."""
+        found = self.find(Digest.parse(digest))
+        if found is None:
+            return BlobCheck(digest, 0, "pinned but not in the store")
+        try:
+            self.store.verify(found.info.sha256)
+        except NotFound:
+            return BlobCheck(digest, found.info.size, "catalogued but its bytes are missing")
+        except IntegrityError as exc:
+            return BlobCheck(digest, found.info.size, str(exc))
+        except VaultError as exc:
+            return BlobCheck(digest, found.info.size, f"could not be checked: {exc}")
+        return BlobCheck(digest, found.info.size)
+
+    def count(self) -> int:
+        with self.db.read.connect() as conn:
+            return len(conn.execute(select(tables.blobs.c.sha256)).all())

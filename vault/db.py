@@ -1,0 +1,210 @@
+"""The vault's tables behind SQLAlchemy (SQLite in WAL mode by default, PostgreSQL for a lab),
+their schema version and upgrades, and the triggers that make ledger rows immutable."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Engine,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    create_engine,
+    event,
+    text,
+)
+from sqlalchemy.engine import Connection
+from sqlalchemy.pool import NullPool
+
+from vault.errors import VaultError
+
+SCHEMA_VERSION: Final = 1
+
+metadata = MetaData()
+
+schema_version = Table("schema_version", metadata, Column("version", Integer, nullable=False))
+
+# One row: the ledger's size and last leaf hash. Appends lock it, so appends are linear even
+# when several vault servers share one PostgreSQL.
+ledger_head = Table(
+    "ledger_head",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),
+    Column("size", BigInteger, nullable=False),
+    Column("last_leaf", LargeBinary, nullable=False),
+)
+
+entries = Table(
+    "entries",
+    metadata,
+    Column("idx", BigInteger, primary_key=True, autoincrement=False),
+    Column("body", LargeBinary, nullable=False),
+    Column("leaf_hash", LargeBinary, nullable=False),
+    # Copies of body fields, for filtering the log; `vault verify` checks they agree.
+    Column("kind", Text, nullable=False, index=True),
+    Column("author", Text, nullable=False, index=True),
+    Column("time", Text, nullable=False, index=True),
+    Column("external", Boolean, nullable=False),
+)
+
+entry_subjects = Table(
+    "entry_subjects",
+    metadata,
+    Column("digest", Text, nullable=False),
+    Column("idx", BigInteger, nullable=False),
+    PrimaryKeyConstraint("digest", "idx"),
+)
+
+checkpoints = Table(
+    "checkpoints",
+    metadata,
+    Column("size", BigInteger, primary_key=True, autoincrement=False),
+    Column("note", Text, nullable=False),
+)
+
+blobs = Table(
+    "blobs",
+    metadata,
+    Column("sha256", Text, primary_key=True),
+    Column("blake3", Text, nullable=False, unique=True),
+    Column("size", BigInteger, nullable=False),
+    Column("stored_at", Text, nullable=False),
+)
+
+_IMMUTABLE = ("entries", "entry_subjects", "checkpoints")
+
+
+class SchemaError(VaultError):
+    """The database holds a schema this version of pinvault cannot use."""
+
+
+@dataclass(frozen=True)
+class Database:
+    """Two engines on one database: `read` for queries, `write` for the single appender."""
+
+    url: str
+    read: Engine
+    write: Engine
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.read.dialect.name == "sqlite"
+
+    def dispose(self) -> None:
+        self.read.dispose()
+        self.write.dispose()
+
+
+def open_database(url: str, *, create: bool = True) -> Database:
+    """Connect, create or upgrade the schema, and refuse a schema newer than this code."""
+    if url.startswith("sqlite"):
+        read = _sqlite_engine(url, immediate=False)
+        write = _sqlite_engine(url, immediate=True)
+    else:
+        read = create_engine(url, pool_size=16, max_overflow=16, pool_pre_ping=True)
+        write = create_engine(url, pool_size=2, max_overflow=2, pool_pre_ping=True)
+    db = Database(url=url, read=read, write=write)
+    try:
+        migrate(db, create=create)
+    except BaseException:
+        db.dispose()
+        raise
+    return db
+
+
+def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
+    engine = create_engine(
+        url,
+        poolclass=NullPool if ":memory:" in url else None,
+        connect_args={"check_same_thread": False, "timeout": 30},
+    )
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let SQLAlchemy's begin event issue BEGIN itself (pysqlite's own is deferred).
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        # FULL: a commit is on disk before it returns, so an acknowledged append survives a crash.
+        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        # The appender takes the write lock up front, so the head it reads stays the head.
+        connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+    return engine
+
+
+def migrate(db: Database, *, create: bool = True) -> None:
+    with db.write.begin() as conn:
+        tables = set(db.write.dialect.get_table_names(conn))
+        if "schema_version" not in tables:
+            if tables & {t.name for t in metadata.sorted_tables}:
+                raise SchemaError("database has pinvault tables but no schema version")
+            if not create:
+                raise SchemaError("database has no pinvault schema")
+            metadata.create_all(conn)
+            _install_immutability(conn)
+            conn.execute(schema_version.insert().values(version=SCHEMA_VERSION))
+            conn.execute(ledger_head.insert().values(id=1, size=0, last_leaf=bytes(32)))
+            return
+        found = conn.execute(schema_version.select()).scalar_one()
+        if found > SCHEMA_VERSION:
+            raise SchemaError(
+                f"database schema version {found} is newer than this pinvault "
+                f"understands ({SCHEMA_VERSION}): upgrade pinvault"
+            )
+        for version in range(found + 1, SCHEMA_VERSION + 1):
+            # Each upgrade only adds: tables, columns, indexes. Nothing is dropped or rewritten.
+            UPGRADES[version](conn)
+            conn.execute(schema_version.update().values(version=version))
+
+
+UPGRADES: dict[int, Callable[[Connection], None]] = {}
+
+
+def _install_immutability(conn: Connection) -> None:
+    """Database triggers refuse UPDATE and DELETE of ledger rows, whatever code asks."""
+    if conn.dialect.name == "sqlite":
+        for table in _IMMUTABLE:
+            for op in ("UPDATE", "DELETE"):
+                conn.execute(
+                    text(
+                        f"CREATE TRIGGER {table}_no_{op.lower()} BEFORE {op} ON {table} "
+                        f"BEGIN SELECT RAISE(ABORT, 'pinvault {table} rows are never "
+                        f"changed or deleted'); END"
+                    )
+                )
+    elif conn.dialect.name == "postgresql":
+        conn.execute(
+            text(
+                "CREATE OR REPLACE FUNCTION pinvault_immutable() RETURNS trigger AS $$ "
+                "BEGIN RAISE EXCEPTION 'pinvault % rows are never changed or deleted', "
+                "TG_TABLE_NAME; END $$ LANGUAGE plpgsql"
+            )
+        )
+        for table in _IMMUTABLE:
+            conn.execute(
+                text(
+                    f"CREATE TRIGGER {table}_immutable BEFORE UPDATE OR DELETE ON {table} "
+                    "FOR EACH ROW EXECUTE FUNCTION pinvault_immutable()"
+                )
+            )
+            conn.execute(
+                text(
+                    f"CREATE TRIGGER {table}_no_truncate BEFORE TRUNCATE ON {table} "
+                    "FOR EACH STATEMENT EXECUTE FUNCTION pinvault_immutable()"
+                )
+            )

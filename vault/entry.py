@@ -1,0 +1,165 @@
+"""Ledger entries and their canonical encoding (docs/ledger-format.md).
+
+An entry's body is the RFC 8785 (JCS) serialisation of a JSON object whose values are only
+strings, non-negative integers, booleans, arrays and objects; keys are ASCII, so Python's
+sorted, compact, non-ASCII-preserving `json.dumps` is exactly JCS for them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from vault.digest import Digest
+from vault.errors import InvalidArgument, VerificationError
+
+FORMAT_VERSION: Final = 1
+KINDS: Final = ("image", "dataset", "config", "run", "artefact", "checkpoint")
+ZERO_HASH: Final = bytes(32)
+
+MAX_SUBJECTS: Final = 16
+MAX_META_KEYS: Final = 64
+MAX_META_KEY_LENGTH: Final = 64
+MAX_META_VALUE_BYTES: Final = 4096
+MAX_META_TOTAL_BYTES: Final = 16384
+MAX_AUTHOR_LENGTH: Final = 128
+
+_META_KEY = re.compile(r"[a-z0-9][a-z0-9._-]*")
+_FIELDS: Final = frozenset(
+    {"v", "index", "kind", "subjects", "meta", "external", "author", "time", "prev"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One ledger record. Its position in the ledger is its `index`."""
+
+    index: int
+    kind: str
+    subjects: tuple[str, ...]
+    author: str
+    time: str
+    prev: bytes
+    meta: Mapping[str, str] = field(default_factory=dict)
+    external: bool = False
+
+    def encode(self) -> bytes:
+        """The canonical bytes: the same on every machine and Python version."""
+        return canonical_json(
+            {
+                "author": self.author,
+                "external": self.external,
+                "index": self.index,
+                "kind": self.kind,
+                "meta": dict(self.meta),
+                "prev": self.prev.hex(),
+                "subjects": list(self.subjects),
+                "time": self.time,
+                "v": FORMAT_VERSION,
+            }
+        )
+
+    @classmethod
+    def decode(cls, body: bytes) -> Entry:
+        """Parse canonical bytes; anything not exactly canonical is refused."""
+        try:
+            obj = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise VerificationError(f"entry body is not UTF-8 JSON: {exc}") from None
+        if not isinstance(obj, dict) or set(obj) != _FIELDS:
+            raise VerificationError("entry body does not have exactly the entry fields")
+        if obj["v"] != FORMAT_VERSION:
+            raise VerificationError(f"entry format version {obj['v']!r} is not {FORMAT_VERSION}")
+        try:
+            entry = cls(
+                index=_int(obj["index"]),
+                kind=_str(obj["kind"]),
+                subjects=tuple(_str(s) for s in obj["subjects"]),
+                author=_str(obj["author"]),
+                time=_str(obj["time"]),
+                prev=bytes.fromhex(_str(obj["prev"])),
+                meta={_str(k): _str(v) for k, v in obj["meta"].items()},
+                external=_bool(obj["external"]),
+            )
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise VerificationError(f"entry body has a field of the wrong type: {exc}") from None
+        if entry.encode() != body:
+            raise VerificationError("entry body is not in canonical form")
+        return entry
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def now() -> str:
+    """The entry time format: RFC 3339, UTC, microseconds, `Z`."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def check_kind(kind: str) -> str:
+    if kind not in KINDS:
+        raise InvalidArgument(f"unknown kind {kind!r}: expected one of {', '.join(KINDS)}")
+    return kind
+
+
+def check_subjects(subjects: Sequence[str]) -> tuple[str, ...]:
+    if not subjects:
+        raise InvalidArgument("an entry needs at least one subject digest")
+    if len(subjects) > MAX_SUBJECTS:
+        raise InvalidArgument(f"too many subjects: {len(subjects)} (at most {MAX_SUBJECTS})")
+    return tuple(str(Digest.parse(s)) for s in subjects)
+
+
+def check_author(author: str) -> str:
+    if not author or len(author) > MAX_AUTHOR_LENGTH or not author.isprintable():
+        raise InvalidArgument(
+            f"author must be 1 to {MAX_AUTHOR_LENGTH} printable characters, found {author!r}"
+        )
+    return author
+
+
+def check_meta(meta: Mapping[str, str]) -> dict[str, str]:
+    """Bounded metadata: ASCII keys, UTF-8 values, limits that name what broke them."""
+    if len(meta) > MAX_META_KEYS:
+        raise InvalidArgument(f"too many metadata keys: {len(meta)} (at most {MAX_META_KEYS})")
+    total = 0
+    for key, value in meta.items():
+        if len(key) > MAX_META_KEY_LENGTH or not _META_KEY.fullmatch(key):
+            raise InvalidArgument(
+                f"bad metadata key {key[:80]!r}: expected 1 to {MAX_META_KEY_LENGTH} characters "
+                "of a-z 0-9 . _ -, starting with a letter or digit"
+            )
+        size = len(value.encode("utf-8"))
+        if size > MAX_META_VALUE_BYTES:
+            raise InvalidArgument(
+                f"metadata value for {key!r} is {size} bytes (at most {MAX_META_VALUE_BYTES})"
+            )
+        if any(ord(c) < 0x20 and c not in "\t\n" for c in value):
+            raise InvalidArgument(f"metadata value for {key!r} has control characters")
+        total += len(key) + size
+    if total > MAX_META_TOTAL_BYTES:
+        raise InvalidArgument(f"metadata is {total} bytes in all (at most {MAX_META_TOTAL_BYTES})")
+    return dict(sorted(meta.items()))
+
+
+def _str(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, found {type(value).__name__}")
+    return value
+
+
+def _int(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TypeError(f"expected a non-negative integer, found {value!r}")
+    return value
+
+
+def _bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected a boolean, found {type(value).__name__}")
+    return value

@@ -1,0 +1,497 @@
+"""The ledger: durable, linear, hash-chained appends (group commit), the in-memory Merkle tree
+that answers proofs, signed checkpoints, and the queries behind look-ups and the log."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Final
+
+from sqlalchemy import Connection, bindparam, func, select, text
+from sqlalchemy.dialects import postgresql, sqlite
+
+from vault import db as tables
+from vault.checkpoint import Checkpoint, SigningKey, Verifier
+from vault.db import Database
+from vault.entry import Entry, check_author, check_kind, check_meta, check_subjects, now
+from vault.errors import InvalidArgument, NotFound, Unavailable, VaultError, VerificationError
+from vault.merkle import MerkleTree, leaf_hash
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH: Final = 10_000
+READ_BATCH: Final = 2_000
+
+
+@dataclass(frozen=True, slots=True)
+class PinSpec:
+    """A validated request to append one entry; the ledger adds index, time and prev."""
+
+    kind: str
+    subjects: tuple[str, ...]
+    author: str
+    meta: Mapping[str, str] = field(default_factory=dict)
+    external: bool = False
+
+    @classmethod
+    def checked(
+        cls,
+        *,
+        kind: str,
+        subjects: Sequence[str],
+        author: str,
+        meta: Mapping[str, str] | None = None,
+        external: bool = False,
+    ) -> PinSpec:
+        subjects_ = check_subjects(subjects)
+        if len(set(subjects_)) != len(subjects_):
+            raise InvalidArgument("the same subject digest is named twice")
+        return cls(
+            kind=check_kind(kind),
+            subjects=subjects_,
+            author=check_author(author),
+            meta=check_meta(meta or {}),
+            external=external,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StoredEntry:
+    index: int
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RawEntry:
+    """An entry row exactly as stored, with its index rows, for auditors."""
+
+    index: int
+    body: bytes
+    leaf_hash: bytes
+    kind: str
+    author: str
+    time: str
+    external: bool
+    subjects: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SignedCheckpoint:
+    checkpoint: Checkpoint
+    note: str
+
+    @property
+    def size(self) -> int:
+        return self.checkpoint.size
+
+
+@dataclass(frozen=True, slots=True)
+class LogFilter:
+    kind: str | None = None
+    digest: str | None = None
+    author: str | None = None
+    since: str | None = None
+    until: str | None = None
+
+
+class _Append:
+    __slots__ = ("future", "pins")
+
+    def __init__(self, pins: Sequence[PinSpec]) -> None:
+        self.pins = pins
+        self.future: Future[list[StoredEntry]] = Future()
+
+
+_STOP: Final = object()
+
+
+class Ledger:
+    """One vault server's view of the shared ledger.
+
+    Appends go through one writer thread that commits whatever has queued up in a single
+    transaction (group commit: many appends share one sync) and acknowledges only after the
+    commit. The Merkle tree is a cache of the stored leaf hashes; it catches up with entries
+    other servers appended to the same database before it answers for them.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        key: SigningKey,
+        *,
+        origin: str,
+        checkpoint_interval: float = 1.0,
+    ) -> None:
+        self.db = db
+        self.key = key
+        self.verifier: Verifier = key.verifier()
+        self.origin = origin
+        self._tree = MerkleTree()
+        self._tree_lock = threading.RLock()
+        self._checkpoint_lock = threading.Lock()
+        self._latest: SignedCheckpoint | None = None
+        self._queue: queue.SimpleQueue[_Append | object] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self.sync()
+        self._latest = self._load_latest_checkpoint()
+        self._writer = threading.Thread(target=self._write_loop, name="ledger-writer", daemon=True)
+        self._writer.start()
+        self._checkpointer = threading.Thread(
+            target=self._checkpoint_loop, args=(checkpoint_interval,), daemon=True
+        )
+        self._checkpointer.start()
+
+    # ------------------------------------------------------------------ appends
+
+    def append(self, pins: Sequence[PinSpec], timeout: float | None = 60.0) -> list[StoredEntry]:
+        """Append entries; returns once they are durable. All or none."""
+        if not pins:
+            return []
+        if len(pins) > MAX_BATCH:
+            raise InvalidArgument(
+                f"too many entries in one append: {len(pins)} (at most {MAX_BATCH})"
+            )
+        if self._closed.is_set():
+            raise Unavailable("the ledger is closed")
+        request = _Append(pins)
+        self._queue.put(request)
+        return request.future.result(timeout)
+
+    def _write_loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is _STOP:
+                return
+            batch: list[_Append] = [first]  # type: ignore[list-item]
+            count = len(batch[0].pins)
+            stop = False
+            while count < MAX_BATCH:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is _STOP:
+                    stop = True
+                    break
+                assert isinstance(more, _Append)
+                batch.append(more)
+                count += len(more.pins)
+            try:
+                results = self._commit(batch)
+            except BaseException as exc:  # every waiter must hear of the failure
+                log.exception("ledger append failed")
+                error = (
+                    exc
+                    if isinstance(exc, VaultError)
+                    else Unavailable(f"ledger append failed: {exc}")
+                )
+                for request in batch:
+                    request.future.set_exception(error)
+            else:
+                for request, result in zip(batch, results, strict=True):
+                    request.future.set_result(result)
+            if stop:
+                return
+
+    def _commit(self, batch: Sequence[_Append]) -> list[list[StoredEntry]]:
+        with self._tree_lock, self.db.write.begin() as conn:
+            head_query = select(tables.ledger_head.c.size, tables.ledger_head.c.last_leaf).where(
+                tables.ledger_head.c.id == 1
+            )
+            if not self.db.is_sqlite:
+                head_query = head_query.with_for_update()
+            size, last = conn.execute(head_query).one()
+            self._catch_up(conn, size, last)
+            time = now()
+            rows: list[dict[str, object]] = []
+            subject_rows: list[dict[str, object]] = []
+            leaves: list[bytes] = []
+            results: list[list[StoredEntry]] = []
+            prev = last
+            for request in batch:
+                stored: list[StoredEntry] = []
+                for pin in request.pins:
+                    body = Entry(
+                        index=size,
+                        kind=pin.kind,
+                        subjects=pin.subjects,
+                        author=pin.author,
+                        time=time,
+                        prev=prev,
+                        meta=pin.meta,
+                        external=pin.external,
+                    ).encode()
+                    prev = leaf_hash(body)
+                    rows.append(
+                        {
+                            "idx": size,
+                            "body": body,
+                            "leaf_hash": prev,
+                            "kind": pin.kind,
+                            "author": pin.author,
+                            "time": time,
+                            "external": pin.external,
+                        }
+                    )
+                    subject_rows.extend({"digest": s, "idx": size} for s in pin.subjects)
+                    leaves.append(prev)
+                    stored.append(StoredEntry(size, body))
+                    size += 1
+                results.append(stored)
+            conn.execute(tables.entries.insert(), rows)
+            conn.execute(tables.entry_subjects.insert(), subject_rows)
+            conn.execute(
+                tables.ledger_head.update()
+                .where(tables.ledger_head.c.id == 1)
+                .values(size=size, last_leaf=prev)
+            )
+        # Committed: only now do the new leaves become part of what this server proves.
+        with self._tree_lock:
+            self._tree.extend(leaves)
+        return results
+
+    def _catch_up(self, conn: Connection, size: int, last: bytes) -> None:
+        """Load leaf hashes that other servers appended since this tree last looked."""
+        have = self._tree.size
+        if size > have:
+            result = conn.execute(
+                select(tables.entries.c.idx, tables.entries.c.leaf_hash)
+                .where(tables.entries.c.idx >= have, tables.entries.c.idx < size)
+                .order_by(tables.entries.c.idx)
+            )
+            expected = have
+            for idx, leaf in result:
+                if idx != expected:
+                    raise VerificationError(f"ledger entry {expected} is missing", index=expected)
+                self._tree.append(leaf)
+                expected += 1
+            if expected != size:
+                raise VerificationError(f"ledger entry {expected} is missing", index=expected)
+        elif size < have:
+            raise VerificationError(
+                f"ledger head says size {size} but this server already proved size {have}",
+                index=size,
+            )
+        if size and self._tree.leaf(size - 1) != last:
+            raise VerificationError(
+                f"ledger head's last leaf does not match entry {size - 1}", index=size - 1
+            )
+
+    def sync(self) -> int:
+        """Bring the tree up to the stored head; returns the size."""
+        with self._tree_lock, self.db.read.connect() as conn:
+            size, last = conn.execute(
+                select(tables.ledger_head.c.size, tables.ledger_head.c.last_leaf)
+            ).one()
+            if size != self._tree.size:
+                self._catch_up(conn, size, last)
+            return self._tree.size
+
+    @property
+    def size(self) -> int:
+        return self._tree.size
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint(self, min_size: int = 0) -> SignedCheckpoint:
+        """The latest signed checkpoint, signing a new one if it would not cover `min_size`."""
+        latest = self._latest
+        if latest is not None and latest.size >= min_size:
+            return latest
+        with self._checkpoint_lock:
+            latest = self._latest
+            if latest is not None and latest.size >= min_size:
+                return latest
+            if self._tree.size < min_size:
+                self.sync()
+            size = self._tree.size
+            if size < min_size:
+                raise NotFound(f"the ledger has {size} entries, fewer than {min_size}")
+            signed = self._sign(size)
+            self._latest = signed
+            return signed
+
+    def _sign(self, size: int) -> SignedCheckpoint:
+        checkpoint = Checkpoint(origin=self.origin, size=size, root=self._tree.root(size))
+        note = self.key.sign(checkpoint)
+        insert = (sqlite.insert if self.db.is_sqlite else postgresql.insert)(tables.checkpoints)
+        with self.db.write.begin() as conn:
+            conn.execute(insert.values(size=size, note=note).on_conflict_do_nothing())
+        return SignedCheckpoint(checkpoint, note)
+
+    def _load_latest_checkpoint(self) -> SignedCheckpoint | None:
+        with self.db.read.connect() as conn:
+            row = conn.execute(
+                select(tables.checkpoints.c.note)
+                .order_by(tables.checkpoints.c.size.desc())
+                .limit(1)
+            ).first()
+        if row is None:
+            return None
+        try:
+            checkpoint = self.verifier.open(row.note)
+            if checkpoint.size > self._tree.size or checkpoint.root != self._tree.root(
+                checkpoint.size
+            ):
+                raise VerificationError("its root does not match the stored entries")
+        except VerificationError as exc:
+            # Never serve a checkpoint we cannot stand behind; `vault verify` reports it.
+            log.error("latest stored checkpoint is not valid (%s); signing a new one", exc)
+            return None
+        return SignedCheckpoint(checkpoint, row.note)
+
+    def _checkpoint_loop(self, interval: float) -> None:
+        while not self._closed.wait(interval):
+            try:
+                if self.sync() > (self._latest.size if self._latest else -1):
+                    self.checkpoint(self._tree.size)
+            except Exception:
+                log.exception("periodic checkpoint failed")
+
+    # ------------------------------------------------------------------ proofs
+
+    def _require(self, size: int) -> None:
+        if size > self._tree.size:
+            self.sync()
+        if size > self._tree.size:
+            raise NotFound(f"the ledger has {self._tree.size} entries, fewer than {size}")
+
+    def inclusion_proof(self, index: int, size: int) -> list[bytes]:
+        self._require(size)
+        if index >= size:
+            raise InvalidArgument(f"index {index} is not in a tree of size {size}")
+        return self._tree.inclusion_proof(index, size)
+
+    def consistency_proof(self, old_size: int, new_size: int) -> list[bytes]:
+        self._require(new_size)
+        if old_size > new_size:
+            raise InvalidArgument(f"old size {old_size} is larger than new size {new_size}")
+        if old_size == 0 or old_size == new_size:
+            return []
+        return self._tree.consistency_proof(old_size, new_size)
+
+    def leaf(self, index: int) -> bytes:
+        self._require(index + 1)
+        return self._tree.leaf(index)
+
+    # ------------------------------------------------------------------ queries
+
+    _BY_DIGEST = text(
+        "SELECT s.digest, e.idx, e.body FROM entry_subjects s JOIN entries e ON e.idx = s.idx "
+        "WHERE s.digest IN :digests ORDER BY e.idx"
+    ).bindparams(bindparam("digests", expanding=True))
+
+    def entries_for(self, digests: Iterable[str]) -> dict[str, list[StoredEntry]]:
+        """Entries naming each digest, in index order."""
+        wanted = list(dict.fromkeys(digests))
+        found: dict[str, list[StoredEntry]] = {d: [] for d in wanted}
+        with self.db.read.connect() as conn:
+            for start in range(0, len(wanted), 500):
+                part = wanted[start : start + 500]
+                for digest, idx, body in conn.execute(self._BY_DIGEST, {"digests": part}):
+                    found[digest].append(StoredEntry(idx, body))
+        return found
+
+    def entry(self, index: int) -> StoredEntry:
+        with self.db.read.connect() as conn:
+            row = conn.execute(
+                select(tables.entries.c.body).where(tables.entries.c.idx == index)
+            ).first()
+        if row is None:
+            raise NotFound(f"no ledger entry at index {index}")
+        return StoredEntry(index, row.body)
+
+    def log(self, start: int, limit: int, where: LogFilter) -> list[StoredEntry]:
+        e = tables.entries
+        query = select(e.c.idx, e.c.body).where(e.c.idx >= start)
+        if where.kind:
+            query = query.where(e.c.kind == where.kind)
+        if where.author:
+            query = query.where(e.c.author == where.author)
+        if where.since:
+            query = query.where(e.c.time >= where.since)
+        if where.until:
+            query = query.where(e.c.time < where.until)
+        if where.digest:
+            s = tables.entry_subjects
+            query = query.where(e.c.idx.in_(select(s.c.idx).where(s.c.digest == where.digest)))
+        query = query.order_by(e.c.idx).limit(limit)
+        with self.db.read.connect() as conn:
+            return [StoredEntry(idx, body) for idx, body in conn.execute(query)]
+
+    def read_raw(self, start: int = 0) -> Iterator[list[RawEntry]]:
+        """Every stored entry row from `start`, in index order, in batches; no checks."""
+        e, s = tables.entries, tables.entry_subjects
+        after = start - 1
+        while True:
+            with self.db.read.connect() as conn:
+                rows = conn.execute(
+                    select(
+                        e.c.idx,
+                        e.c.body,
+                        e.c.leaf_hash,
+                        e.c.kind,
+                        e.c.author,
+                        e.c.time,
+                        e.c.external,
+                    )
+                    .where(e.c.idx > after)
+                    .order_by(e.c.idx)
+                    .limit(READ_BATCH)
+                ).all()
+                if not rows:
+                    return
+                subjects: dict[int, list[str]] = {}
+                for idx, digest in conn.execute(
+                    select(s.c.idx, s.c.digest).where(s.c.idx > after, s.c.idx <= rows[-1][0])
+                ):
+                    subjects.setdefault(idx, []).append(digest)
+            yield [
+                RawEntry(
+                    idx,
+                    body,
+                    leaf,
+                    kind,
+                    author,
+                    time,
+                    bool(external),
+                    tuple(sorted(subjects.get(idx, ()))),
+                )
+                for idx, body, leaf, kind, author, time, external in rows
+            ]
+            after = rows[-1][0]
+
+    def head_size(self) -> int:
+        with self.db.read.connect() as conn:
+            return int(conn.execute(select(tables.ledger_head.c.size)).scalar_one())
+
+    def stored_checkpoints(self) -> Iterator[list[str]]:
+        c = tables.checkpoints
+        after = -1
+        while True:
+            with self.db.read.connect() as conn:
+                rows = conn.execute(
+                    select(c.c.size, c.c.note).where(c.c.size > after).order_by(c.c.size).limit(500)
+                ).all()
+            if not rows:
+                return
+            yield [note for _, note in rows]
+            after = rows[-1][0]
+
+    def count(self) -> int:
+        with self.db.read.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(tables.entries)).scalar_one())
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._queue.put(_STOP)
+        self._writer.join()
+        self._checkpointer.join()

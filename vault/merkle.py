@@ -1,0 +1,365 @@
+"""The ledger's Merkle tree (RFC 9162 §2.1, SHA-256): hashing, an append-only in-memory tree that
+answers proofs, and the pure functions that verify inclusion and consistency proofs."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from typing import Final
+
+from vault.errors import VerificationError
+
+HASH_SIZE: Final = 32
+EMPTY_ROOT: Final = hashlib.sha256(b"").digest()
+
+_sha256 = hashlib.sha256
+_LEAF_PREFIX: Final = b"\x00"
+_NODE_PREFIX: Final = b"\x01"
+
+
+def leaf_hash(body: bytes) -> bytes:
+    """RFC 9162 leaf hash of one entry body: SHA-256(0x00 || body)."""
+    return _sha256(_LEAF_PREFIX + body).digest()
+
+
+def node_hash(left: bytes, right: bytes) -> bytes:
+    """RFC 9162 interior node hash: SHA-256(0x01 || left || right)."""
+    return _sha256(_NODE_PREFIX + left + right).digest()
+
+
+def _largest_power_of_two_below(n: int) -> int:
+    """The k of RFC 9162's MTH split: the largest power of two strictly less than n (n >= 2)."""
+    return 1 << ((n - 1).bit_length() - 1)
+
+
+class MerkleTree:
+    """An append-only Merkle tree over leaf hashes, kept in memory to answer proofs quickly.
+
+    Level 0 holds the leaf hashes; level k holds the roots of the complete perfect subtrees of
+    2**k leaves, all as 32-byte hashes concatenated in one bytearray per level (about 64 bytes
+    per leaf in all). Any root or proof is assembled from O(log n) stored nodes.
+
+    One thread may append while others read: `size` is published only once every level has
+    been updated, so a reader that stays within `size` sees only complete nodes.
+    """
+
+    __slots__ = ("_levels", "_size")
+
+    def __init__(self, leaf_hashes: Iterable[bytes] = ()) -> None:
+        self._levels: list[bytearray] = [bytearray()]
+        self._size = 0
+        self.extend(leaf_hashes)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def append(self, leaf_hash: bytes) -> None:
+        if len(leaf_hash) != HASH_SIZE:
+            raise ValueError(f"a leaf hash is {HASH_SIZE} bytes, found {len(leaf_hash)}")
+        levels = self._levels
+        node = bytes(leaf_hash)
+        levels[0] += node
+        # Each trailing zero bit of the new size completes one more perfect subtree.
+        count = self._size + 1
+        level = 0
+        while not count & 1:
+            node = _sha256(_NODE_PREFIX + levels[level][-64:-32] + node).digest()
+            level += 1
+            if level == len(levels):
+                levels.append(bytearray())
+            levels[level] += node
+            count >>= 1
+        self._size += 1
+
+    def extend(self, leaf_hashes: Iterable[bytes]) -> None:
+        """Append many leaf hashes at once, a level at a time (the fast path for loading)."""
+        hashes = leaf_hashes if isinstance(leaf_hashes, list) else list(leaf_hashes)
+        if not hashes:
+            return
+        if set(map(len, hashes)) != {HASH_SIZE}:
+            bad = next(h for h in hashes if len(h) != HASH_SIZE)
+            raise ValueError(f"a leaf hash is {HASH_SIZE} bytes, found {len(bad)}")
+        levels = self._levels
+        old = self._size
+        new = old + len(hashes)
+        levels[0] += b"".join(hashes)
+        sha, prefix = _sha256, _NODE_PREFIX
+        level = 0
+        while new >> (level + 1):
+            if level + 1 == len(levels):
+                levels.append(bytearray())
+            start = (old >> (level + 1)) * 64
+            end = (new >> (level + 1)) * 64
+            below = bytes(levels[level][start:end])
+            levels[level + 1] += b"".join(
+                [sha(prefix + below[i : i + 64]).digest() for i in range(0, end - start, 64)]
+            )
+            level += 1
+        self._size = new
+
+    def leaf(self, index: int) -> bytes:
+        if not 0 <= index < self._size:
+            raise ValueError(f"no leaf {index}: the tree has {self._size} leaves")
+        return bytes(self._levels[0][index * HASH_SIZE : (index + 1) * HASH_SIZE])
+
+    def root(self, size: int | None = None) -> bytes:
+        """The root of the tree of the first `size` leaves (default: all of them)."""
+        if size is None:
+            size = self._size
+        elif not 0 <= size <= self._size:
+            raise ValueError(f"no root for size {size}: the tree has {self._size} leaves")
+        if size == 0:
+            return EMPTY_ROOT
+        return self._subtree_root(0, size)
+
+    def inclusion_proof(self, index: int, size: int) -> list[bytes]:
+        """RFC 9162 §2.1.3.1 PATH(index, D[0:size]), deepest sibling first."""
+        if not 0 <= size <= self._size:
+            raise ValueError(f"no tree of size {size}: the tree has {self._size} leaves")
+        if not 0 <= index < size:
+            raise ValueError(f"no leaf {index} in a tree of size {size}")
+        path: list[bytes] = []
+        start, m, n = 0, index, size
+        while n > 1:
+            k = _largest_power_of_two_below(n)
+            if m < k:
+                path.append(self._subtree_root(start + k, start + n))
+                n = k
+            else:
+                path.append(self._subtree_root(start, start + k))
+                start, m, n = start + k, m - k, n - k
+        path.reverse()
+        return path
+
+    def consistency_proof(self, old_size: int, new_size: int) -> list[bytes]:
+        """RFC 9162 §2.1.4.1 PROOF(old_size, D[0:new_size]); empty when old_size is 0 or equal."""
+        if not 0 <= new_size <= self._size:
+            raise ValueError(f"no tree of size {new_size}: the tree has {self._size} leaves")
+        if not 0 <= old_size <= new_size:
+            raise ValueError(f"no consistency proof from size {old_size} to size {new_size}")
+        if old_size in (0, new_size):
+            return []
+        proof: list[bytes] = []
+        start, m, n, whole = 0, old_size, new_size, True
+        while m != n:
+            k = _largest_power_of_two_below(n)
+            if m <= k:
+                proof.append(self._subtree_root(start + k, start + n))
+                n = k
+            else:
+                proof.append(self._subtree_root(start, start + k))
+                start, m, n, whole = start + k, m - k, n - k, False
+        if not whole:
+            proof.append(self._subtree_root(start, start + n))
+        proof.reverse()
+        return proof
+
+    def _node(self, level: int, index: int) -> bytes:
+        return bytes(self._levels[level][index * HASH_SIZE : (index + 1) * HASH_SIZE])
+
+    def _subtree_root(self, start: int, end: int) -> bytes:
+        """MTH(D[start:end]) for a range that is a node of the tree: `start` is a multiple of
+        the smallest power of two >= end - start, so the range splits into stored perfect
+        subtrees whose sizes are the set bits of its length, largest first."""
+        parts: list[bytes] = []
+        length = end - start
+        while length:
+            level = length.bit_length() - 1
+            parts.append(self._node(level, start >> level))
+            start += 1 << level
+            length -= 1 << level
+        node = parts.pop()
+        while parts:
+            node = _sha256(_NODE_PREFIX + parts.pop() + node).digest()
+        return node
+
+
+class CompactRange:
+    """The root of a growing ledger from one pass over its leaf hashes, in O(log n) memory.
+
+    The stack holds the roots of the perfect subtrees that make up the leaves so far, largest
+    first: one per set bit of `size`.
+    """
+
+    __slots__ = ("_size", "_stack")
+
+    def __init__(self) -> None:
+        self._stack: list[bytes] = []
+        self._size = 0
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def append(self, leaf_hash: bytes) -> None:
+        if len(leaf_hash) != HASH_SIZE:
+            raise ValueError(f"a leaf hash is {HASH_SIZE} bytes, found {len(leaf_hash)}")
+        n = self._size
+        self._size = n + 1
+        stack = self._stack
+        # Each trailing one bit of the old size is a subtree the new leaf completes.
+        while n & 1:
+            leaf_hash = _sha256(_NODE_PREFIX + stack.pop() + leaf_hash).digest()
+            n >>= 1
+        stack.append(leaf_hash)
+
+    def root(self) -> bytes:
+        stack = self._stack
+        if not stack:
+            return EMPTY_ROOT
+        node = stack[-1]
+        for left in reversed(stack[:-1]):
+            node = _sha256(_NODE_PREFIX + left + node).digest()
+        return node
+
+
+def _check_hash(value: bytes, what: str, index: int | None = None) -> None:
+    if not isinstance(value, bytes | bytearray) or len(value) != HASH_SIZE:
+        found = len(value) if isinstance(value, bytes | bytearray) else type(value).__name__
+        raise VerificationError(f"{what} must be {HASH_SIZE} bytes, found {found}", index=index)
+
+
+def _check_size(value: int, what: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise VerificationError(f"{what} must be a non-negative integer, found {value!r}")
+
+
+def root_from_inclusion(leaf_hash: bytes, index: int, size: int, proof: Sequence[bytes]) -> bytes:
+    """The root that an inclusion proof leads to (RFC 9162 §2.1.3.2 steps 1 to 4 and the
+    length check of step 5); `verify_inclusion` compares it with the expected root."""
+    _check_size(index, "leaf index")
+    _check_size(size, "tree size")
+    _check_hash(leaf_hash, f"leaf hash of index {index}", index)
+    where = f"inclusion proof for index {index} in tree size {size}"
+    if index >= size:
+        raise VerificationError(
+            f"{where}: index is not below the tree size (RFC 9162 §2.1.3.2 step 1)", index=index
+        )
+    fn, sn = index, size - 1
+    node = bytes(leaf_hash)
+    for used, sibling in enumerate(proof):
+        _check_hash(sibling, f"{where}: hash {used}", index)
+        if sn == 0:
+            raise VerificationError(
+                f"{where}: has {len(proof)} hashes but a valid proof has {used} "
+                "(RFC 9162 §2.1.3.2 step 4a)",
+                index=index,
+            )
+        if fn & 1 or fn == sn:
+            node = _sha256(_NODE_PREFIX + sibling + node).digest()
+            while fn and not fn & 1:
+                fn >>= 1
+                sn >>= 1
+        else:
+            node = _sha256(_NODE_PREFIX + node + sibling).digest()
+        fn >>= 1
+        sn >>= 1
+    if sn != 0:
+        raise VerificationError(
+            f"{where}: has only {len(proof)} hashes, too few to reach the root "
+            "(RFC 9162 §2.1.3.2 step 5)",
+            index=index,
+        )
+    return node
+
+
+def verify_inclusion(
+    leaf_hash: bytes, index: int, size: int, proof: Sequence[bytes], root: bytes
+) -> None:
+    """Check that `leaf_hash` is leaf `index` of the tree of `size` leaves whose root is `root`
+    (RFC 9162 §2.1.3.2). Raises VerificationError naming the step that failed."""
+    _check_hash(root, f"root of tree size {size}", index)
+    computed = root_from_inclusion(leaf_hash, index, size, proof)
+    if computed != root:
+        raise VerificationError(
+            f"inclusion proof for index {index} in tree size {size} leads to root "
+            f"{computed.hex()}, not the expected {bytes(root).hex()} (RFC 9162 §2.1.3.2 step 5)",
+            index=index,
+        )
+
+
+def verify_consistency(
+    old_size: int, new_size: int, old_root: bytes, new_root: bytes, proof: Sequence[bytes]
+) -> None:
+    """Check that the tree of `new_size` leaves with root `new_root` extends the tree of
+    `old_size` leaves with root `old_root` (RFC 9162 §2.1.4.2; equal sizes and an empty old
+    tree are handled as RFC 9162 leaves to the caller: the proof must then be empty).
+    Raises VerificationError naming the step that failed."""
+    _check_size(old_size, "old tree size")
+    _check_size(new_size, "new tree size")
+    _check_hash(old_root, f"root of tree size {old_size}")
+    _check_hash(new_root, f"root of tree size {new_size}")
+    where = f"consistency proof from tree size {old_size} to {new_size}"
+    if old_size > new_size:
+        raise VerificationError(f"{where}: the old tree is larger than the new one")
+    if old_size == new_size:
+        if proof:
+            raise VerificationError(
+                f"{where}: the sizes are equal, so the proof must be empty, "
+                f"found {len(proof)} hashes"
+            )
+        if old_root != new_root:
+            raise VerificationError(
+                f"{where}: the sizes are equal but the roots differ "
+                f"({bytes(old_root).hex()} and {bytes(new_root).hex()})"
+            )
+        return
+    if old_size == 0:
+        if proof:
+            raise VerificationError(
+                f"{where}: every tree extends the empty tree, so the proof must be empty, "
+                f"found {len(proof)} hashes"
+            )
+        if old_root != EMPTY_ROOT:
+            raise VerificationError(
+                f"{where}: the root of the empty tree is {EMPTY_ROOT.hex()}, "
+                f"not {bytes(old_root).hex()}"
+            )
+        return
+    for position, value in enumerate(proof):
+        _check_hash(value, f"{where}: hash {position}")
+    if not proof:
+        raise VerificationError(f"{where}: the proof is empty (RFC 9162 §2.1.4.2 step 1)")
+    path = list(proof)
+    if old_size & (old_size - 1) == 0:
+        path.insert(0, bytes(old_root))
+    fn, sn = old_size - 1, new_size - 1
+    while fn & 1:
+        fn >>= 1
+        sn >>= 1
+    fr = sr = bytes(path[0])
+    for used, c in enumerate(path[1:], start=1):
+        if sn == 0:
+            raise VerificationError(
+                f"{where}: has more hashes than a valid proof (RFC 9162 §2.1.4.2 step 6a, "
+                f"at hash {used})"
+            )
+        if fn & 1 or fn == sn:
+            fr = _sha256(_NODE_PREFIX + c + fr).digest()
+            sr = _sha256(_NODE_PREFIX + c + sr).digest()
+            while fn and not fn & 1:
+                fn >>= 1
+                sn >>= 1
+        else:
+            sr = _sha256(_NODE_PREFIX + sr + c).digest()
+        fn >>= 1
+        sn >>= 1
+    if sn != 0:
+        raise VerificationError(
+            f"{where}: has only {len(proof)} hashes, too few to reach the new root "
+            "(RFC 9162 §2.1.4.2 step 7)"
+        )
+    if fr != old_root:
+        raise VerificationError(
+            f"{where}: leads to old root {fr.hex()}, not the verified {bytes(old_root).hex()} "
+            "(RFC 9162 §2.1.4.2 step 7)"
+        )
+    if sr != new_root:
+        raise VerificationError(
+            f"{where}: leads to new root {sr.hex()}, not the presented {bytes(new_root).hex()} "
+            "(RFC 9162 §2.1.4.2 step 7)"
+        )

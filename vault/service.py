@@ -1,0 +1,436 @@
+"""The gRPC services over the ledger and the content store. Errors become status codes here,
+at the transport edge, and nowhere else."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any, Final, NoReturn, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from vault.content import Content, StoredBlob
+from vault.digest import Digest
+from vault.errors import (
+    FailedPrecondition,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    VaultError,
+    VerificationError,
+)
+from vault.ledger import Ledger, LogFilter, PinSpec, SignedCheckpoint, StoredEntry
+from vault.storage import CHUNK_SIZE
+from vault.wire import pinvault_pb2 as pb
+from vault.wire import pinvault_pb2_grpc as rpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE: Final = 64 * 1024 * 1024
+MAX_LOG_PAGE: Final = 1000
+MAX_LOOKUP_BATCH: Final = 100_000
+MAX_FIND_MISSING: Final = 1_000_000
+
+_CODES: Final[dict[type[VaultError], grpc.StatusCode]] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    IntegrityError: grpc.StatusCode.DATA_LOSS,
+    VerificationError: grpc.StatusCode.DATA_LOSS,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_for(error: VaultError) -> grpc.StatusCode:
+    for kind in type(error).__mro__:
+        if kind in _CODES:
+            return _CODES[kind]
+    return grpc.StatusCode.INTERNAL
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+    if isinstance(exc, VaultError):
+        context.abort(status_for(exc), str(exc))
+    else:
+        log.exception("unexpected error in a request")
+        context.abort(
+            grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
+        )
+    raise AssertionError("unreachable: context.abort raises")
+
+
+def unary(method: F) -> F:
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except Exception as exc:
+            _abort(context, exc)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def streaming(method: F) -> F:
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from method(self, request, context)
+        except Exception as exc:
+            _abort(context, exc)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _blob(blob: StoredBlob) -> pb.BlobInfo:
+    info = blob.info
+    return pb.BlobInfo(
+        sha256=str(info.sha256), blake3=str(info.blake3), size=info.size, stored_at=blob.stored_at
+    )
+
+
+def _entry(entry: StoredEntry) -> pb.Entry:
+    return pb.Entry(index=entry.index, body=entry.body)
+
+
+def _checkpoint(signed: SignedCheckpoint) -> pb.Checkpoint:
+    return pb.Checkpoint(note=signed.note)
+
+
+class StoreService(rpc.StoreServicer):
+    def __init__(self, content: Content, ledger: Ledger) -> None:
+        self.content = content
+        self.ledger = ledger
+
+    @unary
+    def Put(
+        self, requests: Iterator[pb.PutRequest], context: grpc.ServicerContext
+    ) -> pb.PutResponse:
+        first = next(requests, None)
+        if first is None:
+            raise InvalidArgument("empty put: no header and no bytes")
+        expected = None
+        leading: list[bytes] = []
+        if first.WhichOneof("part") == "header":
+            if first.header.expected_digest:
+                expected = Digest.parse(first.header.expected_digest)
+        else:
+            leading.append(first.data)
+
+        def data() -> Iterator[bytes]:
+            yield from leading
+            for message in requests:
+                if message.WhichOneof("part") != "data":
+                    raise InvalidArgument("a put carries one header, first, then only bytes")
+                yield message.data
+
+        blob, created = self.content.put(data(), expected)
+        return pb.PutResponse(blob=_blob(blob), created=created)
+
+    @streaming
+    def Get(
+        self, request: pb.GetRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GetResponse]:
+        digest = Digest.parse(request.digest)
+        length = request.length if request.HasField("length") else None
+        blob, length, chunks = self.content.read(digest, request.offset, length)
+        yield pb.GetResponse(
+            header=pb.GetHeader(
+                blob=_blob(blob), chunk_size=CHUNK_SIZE, offset=request.offset, length=length
+            )
+        )
+        for chunk in chunks:
+            yield pb.GetResponse(
+                chunk=pb.Chunk(offset=chunk.offset, data=chunk.data, hash=chunk.hash)
+            )
+
+    @unary
+    def Stat(self, request: pb.StatRequest, context: grpc.ServicerContext) -> pb.StatResponse:
+        blob = self.content.get(Digest.parse(request.digest))
+        pins = self.ledger.entries_for([str(blob.info.sha256), str(blob.info.blake3)])
+        entries = sorted(
+            {e.index: e for es in pins.values() for e in es}.values(), key=lambda e: e.index
+        )
+        return pb.StatResponse(blob=_blob(blob), pins=[_entry(e) for e in entries])
+
+    @unary
+    def FindMissing(
+        self, request: pb.FindMissingRequest, context: grpc.ServicerContext
+    ) -> pb.FindMissingResponse:
+        if len(request.digests) > MAX_FIND_MISSING:
+            raise InvalidArgument(
+                f"too many digests: {len(request.digests)} (at most {MAX_FIND_MISSING} a call)"
+            )
+        return pb.FindMissingResponse(missing=self.content.find_missing(request.digests))
+
+    @streaming
+    def VerifyBlobs(
+        self, request: pb.VerifyBlobsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.VerifyBlobsProgress]:
+        pinned = self.content.pinned_digests()
+        total_bytes = 0
+        for checked, digest in enumerate(pinned, start=1):
+            if not context.is_active():
+                return
+            result = self.content.check(digest)
+            total_bytes += result.size
+            if result.failure or checked % 100 == 0 or checked == len(pinned):
+                yield pb.VerifyBlobsProgress(
+                    checked=checked,
+                    total=len(pinned),
+                    bytes=total_bytes,
+                    failed_digest=digest if result.failure else "",
+                    failure=result.failure,
+                )
+        if not pinned:
+            yield pb.VerifyBlobsProgress(checked=0, total=0)
+
+
+class LedgerService(rpc.LedgerServicer):
+    def __init__(self, ledger: Ledger, content: Content) -> None:
+        self.ledger = ledger
+        self.content = content
+
+    def _spec(self, request: pb.PinRequest) -> PinSpec:
+        spec = PinSpec.checked(
+            kind=request.kind,
+            subjects=list(request.subjects),
+            author=request.author,
+            meta=dict(request.meta),
+            external=request.external,
+        )
+        if spec.external:
+            return spec
+        subjects = []
+        for subject in spec.subjects:
+            found = self.content.find(Digest.parse(subject))
+            if found is None:
+                raise FailedPrecondition(
+                    f"blob {subject} is not in the store: put it first, or pin it as external "
+                    "content kept elsewhere"
+                )
+            subjects.append(str(found.info.sha256))
+        if len(set(subjects)) != len(subjects):
+            raise InvalidArgument("the same blob is named twice (by sha256 and blake3)")
+        return PinSpec(spec.kind, tuple(subjects), spec.author, spec.meta, spec.external)
+
+    @unary
+    def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
+        (entry,) = self.ledger.append([self._spec(request)])
+        return pb.PinResponse(entry=_entry(entry))
+
+    @unary
+    def PinBatch(
+        self, request: pb.PinBatchRequest, context: grpc.ServicerContext
+    ) -> pb.PinBatchResponse:
+        specs = []
+        for number, pin in enumerate(request.pins):
+            try:
+                specs.append(self._spec(pin))
+            except VaultError as exc:
+                raise type(exc)(f"pin {number}: {exc}") from None
+        return pb.PinBatchResponse(entries=[_entry(e) for e in self.ledger.append(specs)])
+
+    def _lookup_keys(self, text: str) -> list[str]:
+        digest = Digest.parse(text)
+        found = self.content.find(digest)
+        keys = [str(digest)]
+        if found is not None:
+            keys = [str(found.info.sha256), str(found.info.blake3)]
+        return keys
+
+    def _prove(
+        self, found: list[list[StoredEntry]], known_size: int
+    ) -> tuple[list[list[pb.ProvenEntry]], SignedCheckpoint, pb.ConsistencyProof]:
+        needed = max((e.index + 1 for es in found for e in es), default=0)
+        signed = self.ledger.checkpoint(needed)
+        if known_size > signed.size and known_size <= self.ledger.size:
+            signed = self.ledger.checkpoint(known_size)
+        proven = [
+            [
+                pb.ProvenEntry(
+                    entry=_entry(e), inclusion=self.ledger.inclusion_proof(e.index, signed.size)
+                )
+                for e in es
+            ]
+            for es in found
+        ]
+        consistency = pb.ConsistencyProof(old_size=known_size, new_size=signed.size)
+        if 0 < known_size < signed.size:
+            consistency.hashes.extend(self.ledger.consistency_proof(known_size, signed.size))
+        return proven, signed, consistency
+
+    @unary
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        keys = self._lookup_keys(request.digest)
+        found = self.ledger.entries_for(keys)
+        entries = sorted(
+            {e.index: e for k in keys for e in found[k]}.values(), key=lambda e: e.index
+        )
+        if not entries:
+            raise NotFound(f"no entry pins {request.digest}")
+        (proven,), signed, consistency = self._prove([entries], request.known_size)
+        return pb.LookupResponse(
+            entries=proven, checkpoint=_checkpoint(signed), consistency=consistency
+        )
+
+    @unary
+    def LookupBatch(
+        self, request: pb.LookupBatchRequest, context: grpc.ServicerContext
+    ) -> pb.LookupBatchResponse:
+        if len(request.digests) > MAX_LOOKUP_BATCH:
+            raise InvalidArgument(
+                f"too many digests: {len(request.digests)} (at most {MAX_LOOKUP_BATCH} a call)"
+            )
+        for d in request.digests:
+            Digest.parse(d)
+        found = self.ledger.entries_for(request.digests)
+        proven, signed, consistency = self._prove(
+            [found[d] for d in request.digests], request.known_size
+        )
+        return pb.LookupBatchResponse(
+            results=[
+                pb.LookupResult(digest=d, entries=p)
+                for d, p in zip(request.digests, proven, strict=True)
+            ],
+            checkpoint=_checkpoint(signed),
+            consistency=consistency,
+        )
+
+    @unary
+    def Log(self, request: pb.LogRequest, context: grpc.ServicerContext) -> pb.LogResponse:
+        limit = min(request.limit or 100, MAX_LOG_PAGE)
+        where = LogFilter(
+            kind=request.kind or None,
+            digest=str(Digest.parse(request.digest)) if request.digest else None,
+            author=request.author or None,
+            since=request.since or None,
+            until=request.until or None,
+        )
+        entries = self.ledger.log(request.start, limit + 1, where)
+        more = len(entries) > limit
+        entries = entries[:limit]
+        return pb.LogResponse(
+            entries=[_entry(e) for e in entries], next=entries[-1].index + 1 if more else 0
+        )
+
+    @unary
+    def GetCheckpoint(
+        self, request: pb.GetCheckpointRequest, context: grpc.ServicerContext
+    ) -> pb.Checkpoint:
+        return _checkpoint(self.ledger.checkpoint(self.ledger.sync()))
+
+    @unary
+    def GetInclusionProof(
+        self, request: pb.InclusionProofRequest, context: grpc.ServicerContext
+    ) -> pb.InclusionProof:
+        signed = self.ledger.checkpoint(max(request.index + 1, request.size))
+        size = request.size or signed.size
+        return pb.InclusionProof(
+            index=request.index,
+            size=size,
+            leaf_hash=self.ledger.leaf(request.index),
+            hashes=self.ledger.inclusion_proof(request.index, size),
+            checkpoint=_checkpoint(signed),
+        )
+
+    @unary
+    def GetConsistencyProof(
+        self, request: pb.ConsistencyProofRequest, context: grpc.ServicerContext
+    ) -> pb.ConsistencyProof:
+        new_size = request.new_size or self.ledger.checkpoint().size
+        return pb.ConsistencyProof(
+            old_size=request.old_size,
+            new_size=new_size,
+            hashes=self.ledger.consistency_proof(request.old_size, new_size),
+        )
+
+    @unary
+    def GetVerifierKey(
+        self, request: pb.VerifierKeyRequest, context: grpc.ServicerContext
+    ) -> pb.VerifierKey:
+        return pb.VerifierKey(key=str(self.ledger.verifier), origin=self.ledger.origin)
+
+    @streaming
+    def ReadEntries(
+        self, request: pb.ReadEntriesRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.StoredEntries]:
+        head = self.ledger.head_size()
+        sent_head = False
+        for batch in self.ledger.read_raw(request.start):
+            yield pb.StoredEntries(
+                head_size=head,
+                entries=[
+                    pb.StoredEntry(
+                        index=r.index,
+                        body=r.body,
+                        leaf_hash=r.leaf_hash,
+                        kind=r.kind,
+                        author=r.author,
+                        time=r.time,
+                        external=r.external,
+                        subjects=r.subjects,
+                    )
+                    for r in batch
+                ],
+            )
+            sent_head = True
+        if not sent_head:
+            yield pb.StoredEntries(head_size=head)
+
+    @streaming
+    def ReadCheckpoints(
+        self, request: pb.ReadCheckpointsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.StoredCheckpoints]:
+        for notes in self.ledger.stored_checkpoints():
+            yield pb.StoredCheckpoints(notes=notes)
+
+
+SERVER_OPTIONS: Final = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def build_server(
+    ledger: Ledger, content: Content, listen: str, *, max_workers: int = 32
+) -> tuple[grpc.Server, str]:
+    """A gRPC server with the vault's services, health and reflection; returns it and where it
+    listens (the real port when `listen` asked for port 0)."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        options=SERVER_OPTIONS,
+    )
+    rpc.add_StoreServicer_to_server(StoreService(content, ledger), server)
+    rpc.add_LedgerServicer_to_server(LedgerService(ledger, content), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", "pinvault.v1.Store", "pinvault.v1.Ledger"):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (
+            pb.DESCRIPTOR.services_by_name["Store"].full_name,
+            pb.DESCRIPTOR.services_by_name["Ledger"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    if listen.startswith("unix:"):
+        server.add_insecure_port(listen)
+        address = listen
+    else:
+        port = server.add_insecure_port(listen)
+        if port == 0:
+            raise Unavailable(f"cannot listen on {listen}")
+        host = listen.rsplit(":", 1)[0]
+        address = f"{host}:{port}"
+    return server, address

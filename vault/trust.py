@@ -1,0 +1,130 @@
+"""A client's memory of the last checkpoint it verified, and the rule for moving it forward:
+only to a checkpoint signed by the vault's key that provably extends it. No I/O here."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from vault.checkpoint import Checkpoint, Verifier
+from vault.errors import InvalidArgument, RollbackError, VerificationError
+from vault.merkle import EMPTY_ROOT, HASH_SIZE, verify_consistency
+
+_STATE_KEYS: Final = frozenset({"origin", "size", "root", "verifier"})
+
+
+class TrustedLog:
+    """The (size, root) of one vault's ledger that this client has verified.
+
+    `update` moves it forward; on any failure the state is left exactly as it was, so a client
+    that is shown a forked or rolled-back ledger keeps the evidence of what it saw before.
+    """
+
+    __slots__ = ("_origin", "_root", "_size", "_verifier")
+
+    def __init__(
+        self, verifier: Verifier, origin: str, size: int = 0, root: bytes = EMPTY_ROOT
+    ) -> None:
+        if not origin:
+            raise InvalidArgument("a trusted log needs its origin")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise InvalidArgument(f"a trusted size is a non-negative integer, found {size!r}")
+        if len(root) != HASH_SIZE:
+            raise InvalidArgument(f"a trusted root is {HASH_SIZE} bytes, found {len(root)}")
+        if size == 0 and root != EMPTY_ROOT:
+            raise InvalidArgument(
+                f"the root of the empty ledger is {EMPTY_ROOT.hex()}, not {bytes(root).hex()}"
+            )
+        self._verifier = verifier
+        self._origin = origin
+        self._size = size
+        self._root = bytes(root)
+
+    @property
+    def verifier(self) -> Verifier:
+        return self._verifier
+
+    @property
+    def origin(self) -> str:
+        return self._origin
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def root(self) -> bytes:
+        return self._root
+
+    def update(self, note: str, consistency_proof: Sequence[bytes]) -> Checkpoint:
+        """Verify a signed checkpoint and a consistency proof from the trusted state to it, then
+        trust it. Raises RollbackError if the vault presents a shorter or rewritten ledger,
+        VerificationError for any other failure."""
+        checkpoint = self._verifier.open(note)
+        if checkpoint.origin != self._origin:
+            raise VerificationError(
+                f"checkpoint is for ledger {checkpoint.origin!r}, but this client trusts "
+                f"ledger {self._origin!r}: check the vault address and verifier key"
+            )
+        if checkpoint.size < self._size:
+            raise RollbackError(
+                f"vault rolled back: it presents size {checkpoint.size} but size {self._size} "
+                "was already verified"
+            )
+        if checkpoint.size == self._size and checkpoint.root != self._root:
+            raise RollbackError(
+                f"vault rewrote its history: size {self._size} was verified with root "
+                f"{self._root.hex()} but the vault now signs root {checkpoint.root.hex()}"
+            )
+        try:
+            verify_consistency(
+                self._size, checkpoint.size, self._root, checkpoint.root, consistency_proof
+            )
+        except VerificationError as exc:
+            raise VerificationError(
+                f"vault did not prove that its ledger of size {checkpoint.size} extends the "
+                f"size {self._size} already verified: {exc}"
+            ) from None
+        self._size = checkpoint.size
+        self._root = checkpoint.root
+        return checkpoint
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "origin": self._origin,
+            "size": self._size,
+            "root": self._root.hex(),
+            "verifier": str(self._verifier),
+        }
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any]) -> TrustedLog:
+        """Rebuild from `to_dict()` output; unknown or missing keys are an error."""
+        if not isinstance(state, Mapping):
+            raise InvalidArgument("trusted log state: expected an object")
+        keys = set(state)
+        if keys != _STATE_KEYS:
+            missing = sorted(_STATE_KEYS - keys)
+            unknown = sorted(keys - _STATE_KEYS)
+            raise InvalidArgument(
+                f"trusted log state: missing keys {missing}, unknown keys {unknown}"
+            )
+        origin, size, root_hex, vkey = (
+            state["origin"],
+            state["size"],
+            state["root"],
+            state["verifier"],
+        )
+        if not isinstance(origin, str) or not isinstance(vkey, str):
+            raise InvalidArgument("trusted log state: origin and verifier must be strings")
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise InvalidArgument(f"trusted log state: size must be an integer, found {size!r}")
+        if not isinstance(root_hex, str) or len(root_hex) != 2 * HASH_SIZE:
+            raise InvalidArgument(f"trusted log state: root must be {2 * HASH_SIZE} hex digits")
+        try:
+            root = bytes.fromhex(root_hex)
+        except ValueError:
+            raise InvalidArgument(
+                f"trusted log state: root must be {2 * HASH_SIZE} hex digits"
+            ) from None
+        return cls(Verifier.from_string(vkey), origin, size, root)
