@@ -171,16 +171,29 @@ def load(path: str | None = None, environ: Mapping[str, str] | None = None) -> C
         except tomllib.TOMLDecodeError as exc:
             raise InvalidArgument(f"config file {file} is not valid TOML: {exc}") from None
         config = apply(config, values, str(file))
-    overrides: dict[str, Any] = {}
-    for name, value in env.items():
+    for name, value in sorted(env.items()):
         if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
             continue
+        # Each variable is applied on its own so that an error names it as the user spelt it.
+        source = f"environment variable {name}"
         key = name[len(ENV_PREFIX) :].lower()
         if key == "data_dir":
-            overrides["data_dir"] = value
+            config = apply(config, {"data_dir": value}, source)
             continue
         section, _, item = key.partition("_")
-        if section not in _SECTIONS or not item:
-            raise InvalidArgument(f"unknown environment variable {name}")
-        overrides.setdefault(section, {})[item] = value
-    return apply(config, overrides, "the environment")
+        if section not in _SECTIONS:
+            raise InvalidArgument(
+                f"unknown environment variable {name} (known: {CONFIG_ENV}, "
+                f"{ENV_PREFIX}DATA_DIR, "
+                + ", ".join(f"{ENV_PREFIX}{s.upper()}_*" for s in _SECTIONS)
+                + ")"
+            )
+        known = [f.name for f in fields(getattr(config, section))]
+        if item not in known:
+            raise InvalidArgument(
+                f"unknown environment variable {name} (known for [{section}]: "
+                + ", ".join(f"{ENV_PREFIX}{section.upper()}_{k.upper()}" for k in known)
+                + ")"
+            )
+        config = apply(config, {section: {item: value}}, source)
+    return config

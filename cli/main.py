@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final, NoReturn
 
 from cli import config as config_module
 from cli.config import Config
@@ -17,7 +17,25 @@ from cli.progress import Progress
 from vault.client import BlobInfo, ProvenEntry, VaultClient
 from vault.digest import Digest
 from vault.entry import KINDS, Entry
-from vault.errors import InvalidArgument, VaultError
+from vault.errors import (
+    FailedPrecondition,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    VaultError,
+)
+
+# The status a user is told: the one the server answered with, or the one it would give the
+# same error found before any request. A failed proof or signature check (VerificationError)
+# is the client's own finding and has no status.
+_STATUS: Final = (
+    (InvalidArgument, "INVALID_ARGUMENT"),
+    (NotFound, "NOT_FOUND"),
+    (FailedPrecondition, "FAILED_PRECONDITION"),
+    (IntegrityError, "DATA_LOSS"),
+    (Unavailable, "UNAVAILABLE"),
+)
 
 
 def _client(config: Config) -> VaultClient:
@@ -59,6 +77,15 @@ def _entry_line(entry: Entry) -> str:
         f"{entry.index:>8}  {entry.time}  {entry.kind:<10} {' '.join(entry.subjects)}{external}"
         f"  by {entry.author}" + (f"  {meta}" if meta else "")
     )
+
+
+def error_line(exc: VaultError) -> str:
+    """The one line the command prints for an error: its status, if any, and its message."""
+    message = " ".join(str(exc).split())
+    for kind, status in _STATUS:
+        if isinstance(exc, kind):
+            return f"{status}: {message}"
+    return message
 
 
 def _print_json(value: Any) -> None:
@@ -312,8 +339,15 @@ def _non_negative(text: str) -> int:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, as every other error of the command; exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="vault", description="pinvault: a verifiable pin vault and content store."
     )
     parser.add_argument("--config", help="TOML config file (default: $PINVAULT_CONFIG)")
@@ -424,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = config_module.apply(config, overrides, "the command line")
         return int(args.func(args, config))
     except VaultError as exc:
-        print(f"vault: {exc}", file=sys.stderr)
+        print(f"vault: {error_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("vault: interrupted", file=sys.stderr)

@@ -1,15 +1,18 @@
-"""Fixtures shared by every test: a clean environment, and a real PostgreSQL started once per
-test run on a private Unix socket."""
+"""Fixtures shared by every test: a clean environment, a real PostgreSQL started once per test
+run on a private Unix socket, and real `vault serve` processes on port 0."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import make_url
 
 from tests.services.postgres import PostgresServer
+from tests.services.vault_server import VaultServer
 
 # -- environment ---------------------------------------------------------------------------
 
@@ -54,6 +57,40 @@ def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
     database = make_url(url).database
     assert database is not None
     postgres_server.drop_database(database)
+
+
+# -- vault servers -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vault_server(
+    clean_environment: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VaultServer]:
+    """One `vault serve` on SQLite for a whole test module; its tests share its ledger."""
+    with VaultServer(tmp_path_factory.mktemp("vault")) as server:
+        yield server
+
+
+StartVault = Callable[..., VaultServer]
+
+
+@pytest.fixture
+def start_vault(clean_environment: None, tmp_path: Path) -> Iterator[StartVault]:
+    """Start servers of the test's own (see VaultServer for the arguments); all are stopped,
+    and must exit cleanly on SIGTERM, when the test ends."""
+    started: list[VaultServer] = []
+
+    def start(name: str = "vault", **options: Any) -> VaultServer:
+        base = tmp_path / name
+        if base.exists():
+            base = tmp_path / f"{name}-{len(started)}"
+        server = VaultServer(base, **options)
+        started.append(server)
+        return server.start()
+
+    yield start
+    statuses = [server.stop() for server in started]
+    assert statuses == [0] * len(started), f"vault serve exit statuses on SIGTERM: {statuses}"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -224,9 +225,10 @@ def test_a_bad_signature_by_our_key_fails_even_beside_a_good_one(key: SigningKey
         (lambda n: n.replace(ORIGIN, "\ud800", 1), "UTF-8"),
     ],
 )
-def test_malformed_notes_are_refused(key: SigningKey, mangle: object, complaint: str) -> None:
+def test_malformed_notes_are_refused(
+    key: SigningKey, mangle: Callable[[str], str], complaint: str
+) -> None:
     note = key.sign(Checkpoint(ORIGIN, 7, ROOT))
-    assert callable(mangle)
     with pytest.raises(VerificationError, match=complaint):
         key.verifier().open(mangle(note))
 

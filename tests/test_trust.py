@@ -4,6 +4,7 @@ history, and a vault that rolls back or rewrites its ledger is caught."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -104,7 +105,7 @@ def test_a_tampered_or_missing_proof_is_refused() -> None:
 def test_a_checkpoint_for_another_ledger_is_refused() -> None:
     other_origin = KEY.sign(Checkpoint("other.test/ledger", 20, TREE.root(20)))
     log = trusted_at(9)
-    with pytest.raises(VerificationError, match="'other.test/ledger'") as caught:
+    with pytest.raises(VerificationError, match=re.escape("'other.test/ledger'")) as caught:
         log.update(other_origin, TREE.consistency_proof(9, 20))
     assert not isinstance(caught.value, RollbackError)
     assert (log.size, log.root) == (9, TREE.root(9))

@@ -6,16 +6,39 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from vault.checkpoint import Checkpoint, Verifier
 from vault.entry import FORMAT_VERSION, ZERO_HASH
 from vault.errors import VerificationError
-from vault.ledger import RawEntry
 from vault.merkle import CompactRange
 
 Progress = Callable[[int], None]
+
+
+class StoredRow(Protocol):
+    """One entry row as stored, with its index columns: `vault.ledger.RawEntry` on the server,
+    the wire's StoredEntry in a client. (The client does not import the ledger, and with it
+    SQLAlchemy, just to audit.)"""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def body(self) -> bytes: ...
+    @property
+    def leaf_hash(self) -> bytes: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def author(self) -> str: ...
+    @property
+    def time(self) -> str: ...
+    @property
+    def external(self) -> bool: ...
+    @property
+    def subjects(self) -> Sequence[str]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +79,11 @@ class Auditor:
             try:
                 checkpoint = verifier.open(note)
             except VerificationError as exc:
-                self._fail(_note_size(note), f"checkpoint: {exc}")
+                self._fail(_last_index(_note_size(note)), f"checkpoint: {exc}")
                 continue
             if checkpoint.origin != origin:
                 self._fail(
-                    checkpoint.size,
+                    _last_index(checkpoint.size),
                     f"checkpoint for size {checkpoint.size} names origin {checkpoint.origin!r}, "
                     f"not {origin!r}",
                 )
@@ -75,12 +98,12 @@ class Auditor:
         for checkpoint in self._roots.pop(size, ()):
             if checkpoint.root != self._range.root():
                 self._fail(
-                    max(size - 1, 0),
+                    _last_index(size),
                     f"the Merkle root of the first {size} entries does not match the root "
                     f"signed in the checkpoint for size {size}",
                 )
 
-    def feed(self, rows: Iterable[RawEntry]) -> None:
+    def feed(self, rows: Iterable[StoredRow]) -> None:
         sha256 = hashlib.sha256
         for row in rows:
             n = self.report.entries
@@ -103,7 +126,7 @@ class Auditor:
             if self._roots:
                 self._check_roots(n + 1)
 
-    def _check_body(self, n: int, row: RawEntry) -> None:
+    def _check_body(self, n: int, row: StoredRow) -> None:
         try:
             body = json.loads(row.body)
         except (UnicodeDecodeError, ValueError):
@@ -143,6 +166,12 @@ class Auditor:
             )
         self._roots.clear()
         return self.report
+
+
+def _last_index(size: int) -> int:
+    """The index a checkpoint for `size` entries is reported at: the last entry it covers,
+    whichever of its checks fails."""
+    return max(size - 1, 0)
 
 
 def _note_size(note: str) -> int:

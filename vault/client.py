@@ -11,7 +11,9 @@ import hashlib
 import io
 import json
 import os
+import queue
 import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +35,6 @@ from vault.errors import (
     VaultError,
     VerificationError,
 )
-from vault.ledger import RawEntry
 from vault.merkle import leaf_hash, verify_inclusion
 from vault.trust import TrustedLog
 from vault.wire import pinvault_pb2 as pb
@@ -60,7 +61,10 @@ def _error(exc: grpc.RpcError) -> VaultError:
     details = exc.details() or code.name
     if code == grpc.StatusCode.UNAVAILABLE:
         details = f"vault server unavailable: {details}"
-    return _ERRORS.get(code, VaultError)(details)
+    if code not in _ERRORS:
+        # No error type of ours says what went wrong, so the status must.
+        return VaultError(f"{code.name}: {details}")
+    return _ERRORS[code](details)
 
 
 @contextlib.contextmanager
@@ -147,14 +151,40 @@ class StateFile:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+class _BackgroundHash:
+    """Hashes on its own thread (hashlib and blake3 release the GIL), so that receiving,
+    hashing and writing overlap; the bounded queue keeps memory bounded."""
+
+    def __init__(self, algorithm: str) -> None:
+        self._hash: Any = hashlib.sha256() if algorithm == "sha256" else blake3.blake3()
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=8)
+        self._thread = threading.Thread(target=self._run, name="pinvault-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            self._hash.update(data)
+
+    def update(self, data: bytes) -> None:
+        self._queue.put(data)
+
+    def digest(self) -> bytes:
+        self._queue.put(None)
+        self._thread.join()
+        return bytes(self._hash.digest())
+
+
 class BlobReader(io.RawIOBase):
     """A file-like view of a blob (or a range) that yields only verified bytes.
 
     Each chunk is checked against its chunk hash before any of it is returned; on a whole-blob
-    read, the SHA-256 of everything is checked too, and reading the end raises IntegrityError
-    if it does not match."""
+    read, the digest of everything is checked too, and reading the end raises IntegrityError
+    if it does not match. `check_chunks=False` is for callers that hand nothing on before the
+    end (a file that appears only once the whole digest matched)."""
 
-    def __init__(self, responses: Iterator[pb.GetResponse], requested: Digest) -> None:
+    def __init__(
+        self, responses: Iterator[pb.GetResponse], requested: Digest, *, check_chunks: bool = True
+    ) -> None:
         super().__init__()
         self._responses = responses
         with _rpc():
@@ -170,7 +200,8 @@ class BlobReader(io.RawIOBase):
         self._start = header.offset
         self._end = header.offset + header.length
         self._whole = header.offset == 0 and header.length == self.info.size
-        self._hash = hashlib.sha256() if requested.algorithm == "sha256" else blake3.blake3()
+        self._check_chunks = check_chunks or not self._whole
+        self._hash = _BackgroundHash(requested.algorithm) if self._whole else None
         self._requested = requested
         self._buffer = memoryview(b"")
         self._position = self._start
@@ -188,18 +219,18 @@ class BlobReader(io.RawIOBase):
                     f"{self._requested}: the stream ended at byte {self._position}, "
                     f"expected {self._end}"
                 )
-            if self._whole and self._hash.digest() != self._requested.raw:
+            if self._hash is not None and self._hash.digest() != self._requested.raw:
                 raise IntegrityError(
                     f"{self._requested}: the bytes received do not match the digest"
                 )
             self._done = True
             return False
         chunk = message.chunk
-        if blake3.blake3(chunk.data).digest() != chunk.hash:
+        if self._check_chunks and blake3.blake3(chunk.data).digest() != chunk.hash:
             raise IntegrityError(
                 f"{self._requested}: chunk at offset {chunk.offset} failed its check"
             )
-        if self._whole:
+        if self._hash is not None:
             self._hash.update(chunk.data)
         lo = max(self._position - chunk.offset, 0)
         hi = min(self._end - chunk.offset, len(chunk.data))
@@ -300,14 +331,18 @@ class VaultClient:
             )
         return result
 
-    def open(self, digest: str, *, offset: int = 0, length: int | None = None) -> BlobReader:
+    def open(
+        self, digest: str, *, offset: int = 0, length: int | None = None, check_chunks: bool = True
+    ) -> BlobReader:
         """A verified, file-like reader of a blob or a range of it."""
         wanted = Digest.parse(digest)
         request = pb.GetRequest(digest=str(wanted), offset=offset)
         if length is not None:
             request.length = length
         with _rpc():
-            return BlobReader(self.store.Get(request, timeout=self.timeout), wanted)
+            return BlobReader(
+                self.store.Get(request, timeout=self.timeout), wanted, check_chunks=check_chunks
+            )
 
     def get(
         self,
@@ -321,7 +356,8 @@ class VaultClient:
         """Write a verified blob (or range) to `path`; the file appears only once verified."""
         target = Path(path)
         tmp = target.with_name(f".{target.name}.pinvault-partial")
-        reader = self.open(digest, offset=offset, length=length)
+        # The file appears only once the whole digest matched, so per-chunk checks add nothing.
+        reader = self.open(digest, offset=offset, length=length, check_chunks=False)
         try:
             with open(tmp, "wb") as out:
                 for piece in reader.chunks():
@@ -517,19 +553,7 @@ class VaultClient:
             head = 0
             for batch in self.ledger.ReadEntries(pb.ReadEntriesRequest(start=0)):
                 head = batch.head_size
-                auditor.feed(
-                    RawEntry(
-                        e.index,
-                        e.body,
-                        e.leaf_hash,
-                        e.kind,
-                        e.author,
-                        e.time,
-                        e.external,
-                        tuple(e.subjects),
-                    )
-                    for e in batch.entries
-                )
+                auditor.feed(batch.entries)
                 if progress:
                     progress(auditor.report.entries, head)
         return auditor.finish(head)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
 
-from sqlalchemy import bindparam, select, text
+from sqlalchemy import select, text
 from sqlalchemy.dialects import postgresql, sqlite
 
 from vault import db as tables
@@ -17,7 +17,7 @@ from vault.digest import Digest
 from vault.errors import IntegrityError, InvalidArgument, NotFound, VaultError
 from vault.storage import BlobInfo, BlobStore, Chunk
 
-_QUERY_BATCH: Final = 900
+_QUERY_BATCH: Final = 450
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,16 +65,13 @@ class Content:
 
     # ------------------------------------------------------------------ reads
 
-    _BY_SHA256 = text("SELECT sha256, blake3, size, stored_at FROM blobs WHERE sha256 = :d")
-    _BY_BLAKE3 = text("SELECT sha256, blake3, size, stored_at FROM blobs WHERE blake3 = :d")
+    _FIND = "SELECT sha256, blake3, size, stored_at FROM blobs WHERE {} = ?"
 
     def find(self, digest: Digest) -> StoredBlob | None:
-        query = self._BY_SHA256 if digest.algorithm == "sha256" else self._BY_BLAKE3
-        with self.db.read.connect() as conn:
-            row = conn.execute(query, {"d": str(digest)}).first()
-        if row is None:
+        rows = self.db.fetch(self._FIND.format(digest.algorithm), (str(digest),))
+        if not rows:
             return None
-        sha, b3, size, stored_at = row
+        sha, b3, size, stored_at = rows[0]
         return StoredBlob(BlobInfo(Digest.parse(sha), Digest.parse(b3), size), stored_at)
 
     def get(self, digest: Digest) -> StoredBlob:
@@ -83,9 +80,7 @@ class Content:
             raise NotFound(f"blob {digest} is not in the store")
         return found
 
-    _PRESENT = text(
-        "SELECT sha256, blake3 FROM blobs WHERE sha256 IN :d OR blake3 IN :d"
-    ).bindparams(bindparam("d", expanding=True))
+    _PRESENT = "SELECT sha256, blake3 FROM blobs WHERE sha256 IN ({0}) OR blake3 IN ({0})"
 
     def find_missing(self, digests: Iterable[str]) -> list[str]:
         """The digests (as given) that the store does not hold, in the order given."""
@@ -94,12 +89,12 @@ class Content:
             Digest.parse(d)
         present: set[str] = set()
         unique = list(dict.fromkeys(wanted))
-        with self.db.read.connect() as conn:
-            for start in range(0, len(unique), _QUERY_BATCH):
-                part = unique[start : start + _QUERY_BATCH]
-                for sha, b3 in conn.execute(self._PRESENT, {"d": part}):
-                    present.add(sha)
-                    present.add(b3)
+        for start in range(0, len(unique), _QUERY_BATCH):
+            part = unique[start : start + _QUERY_BATCH]
+            sql = self._PRESENT.format(tables.placeholders(len(part)))
+            for sha, b3 in self.db.fetch(sql, part + part):
+                present.add(sha)
+                present.add(b3)
         return [d for d in wanted if d not in present]
 
     def read(

@@ -3,8 +3,9 @@ their schema version and upgrades, and the triggers that make ledger rows immuta
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from sqlalchemy import (
@@ -89,19 +90,58 @@ class SchemaError(VaultError):
 
 @dataclass(frozen=True)
 class Database:
-    """Two engines on one database: `read` for queries, `write` for the single appender."""
+    """Two engines on one database: `read` for queries, `write` for the single appender.
+
+    `fetch` is the hot read path (look-ups, existence checks): plain SQL on a connection each
+    thread keeps, in autocommit, without SQLAlchemy's per-statement machinery."""
 
     url: str
     read: Engine
     write: Engine
+    _local: threading.local = field(default_factory=threading.local)
+    _held: list[Any] = field(default_factory=list)
 
     @property
     def is_sqlite(self) -> bool:
         return self.read.dialect.name == "sqlite"
 
+    def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """Run one query written with `?` placeholders and return all its rows."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self._raw_connection()
+        if not self.is_sqlite:
+            sql = sql.replace("?", "%s")
+        cursor = conn.cursor()
+        try:
+            cursor.execute(sql, params)
+            return list(cursor.fetchall())
+        except Exception:
+            # A broken connection must not be reused by this thread.
+            self._local.conn = None
+            raise
+        finally:
+            cursor.close()
+
+    def _raw_connection(self) -> Any:
+        raw = self.read.raw_connection()
+        self._held.append(raw)
+        driver = raw.driver_connection
+        assert driver is not None
+        if not self.is_sqlite:
+            driver.autocommit = True
+        return driver
+
     def dispose(self) -> None:
+        for raw in self._held:
+            raw.close()
+        self._held.clear()
         self.read.dispose()
         self.write.dispose()
+
+
+def placeholders(count: int) -> str:
+    return ",".join("?" * count)
 
 
 def open_database(url: str, *, create: bool = True) -> Database:
@@ -110,7 +150,7 @@ def open_database(url: str, *, create: bool = True) -> Database:
         read = _sqlite_engine(url, immediate=False)
         write = _sqlite_engine(url, immediate=True)
     else:
-        read = create_engine(url, pool_size=16, max_overflow=16, pool_pre_ping=True)
+        read = create_engine(url, pool_size=8, max_overflow=64, pool_pre_ping=True)
         write = create_engine(url, pool_size=2, max_overflow=2, pool_pre_ping=True)
     db = Database(url=url, read=read, write=write)
     try:
@@ -122,11 +162,11 @@ def open_database(url: str, *, create: bool = True) -> Database:
 
 
 def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
-    engine = create_engine(
-        url,
-        poolclass=NullPool if ":memory:" in url else None,
-        connect_args={"check_same_thread": False, "timeout": 30},
+    # Each server thread keeps a read connection of its own (see `Database.fetch`).
+    pool: dict[str, Any] = (
+        {"poolclass": NullPool} if ":memory:" in url else {"pool_size": 8, "max_overflow": 64}
     )
+    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **pool)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:

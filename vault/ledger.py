@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Final
 
-from sqlalchemy import Connection, bindparam, func, select, text
+from sqlalchemy import Connection, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from vault import db as tables
@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 MAX_BATCH: Final = 10_000
 READ_BATCH: Final = 2_000
+QUERY_BATCH: Final = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +108,11 @@ class _Append:
 
 
 _STOP: Final = object()
+_INSERT_ENTRY: Final = (
+    "INSERT INTO entries (idx, body, leaf_hash, kind, author, time, external) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+_INSERT_SUBJECT: Final = "INSERT INTO entry_subjects (digest, idx) VALUES (?, ?)"
 
 
 class Ledger:
@@ -198,7 +204,14 @@ class Ledger:
                 return
 
     def _commit(self, batch: Sequence[_Append]) -> list[list[StoredEntry]]:
-        with self._tree_lock, self.db.write.begin() as conn:
+        # The tree lock is held from reading the head until the new leaves are in the tree, so
+        # no catch-up can load this commit's entries from the database a second time.
+        with self._tree_lock:
+            results = self._insert(batch)
+        return results
+
+    def _insert(self, batch: Sequence[_Append]) -> list[list[StoredEntry]]:
+        with self.db.write.begin() as conn:
             head_query = select(tables.ledger_head.c.size, tables.ledger_head.c.last_leaf).where(
                 tables.ledger_head.c.id == 1
             )
@@ -207,8 +220,8 @@ class Ledger:
             size, last = conn.execute(head_query).one()
             self._catch_up(conn, size, last)
             time = now()
-            rows: list[dict[str, object]] = []
-            subject_rows: list[dict[str, object]] = []
+            rows: list[tuple[object, ...]] = []
+            subject_rows: list[tuple[str, int]] = []
             leaves: list[bytes] = []
             results: list[list[StoredEntry]] = []
             prev = last
@@ -226,33 +239,26 @@ class Ledger:
                         external=pin.external,
                     ).encode()
                     prev = leaf_hash(body)
-                    rows.append(
-                        {
-                            "idx": size,
-                            "body": body,
-                            "leaf_hash": prev,
-                            "kind": pin.kind,
-                            "author": pin.author,
-                            "time": time,
-                            "external": pin.external,
-                        }
-                    )
-                    subject_rows.extend({"digest": s, "idx": size} for s in pin.subjects)
+                    rows.append((size, body, prev, pin.kind, pin.author, time, pin.external))
+                    subject_rows.extend((s, size) for s in pin.subjects)
                     leaves.append(prev)
                     stored.append(StoredEntry(size, body))
                     size += 1
                 results.append(stored)
-            conn.execute(tables.entries.insert(), rows)
-            conn.execute(tables.entry_subjects.insert(), subject_rows)
+            # Plain driver executemany: appends are the hot write path.
+            conn.exec_driver_sql(self._sql(_INSERT_ENTRY), rows)
+            conn.exec_driver_sql(self._sql(_INSERT_SUBJECT), subject_rows)
             conn.execute(
                 tables.ledger_head.update()
                 .where(tables.ledger_head.c.id == 1)
                 .values(size=size, last_leaf=prev)
             )
         # Committed: only now do the new leaves become part of what this server proves.
-        with self._tree_lock:
-            self._tree.extend(leaves)
+        self._tree.extend(leaves)
         return results
+
+    def _sql(self, sql: str) -> str:
+        return sql if self.db.is_sqlite else sql.replace("?", "%s")
 
     def _catch_up(self, conn: Connection, size: int, last: bytes) -> None:
         """Load leaf hashes that other servers appended since this tree last looked."""
@@ -380,20 +386,20 @@ class Ledger:
 
     # ------------------------------------------------------------------ queries
 
-    _BY_DIGEST = text(
+    _BY_DIGEST = (
         "SELECT s.digest, e.idx, e.body FROM entry_subjects s JOIN entries e ON e.idx = s.idx "
-        "WHERE s.digest IN :digests ORDER BY e.idx"
-    ).bindparams(bindparam("digests", expanding=True))
+        "WHERE s.digest IN ({}) ORDER BY e.idx"
+    )
 
     def entries_for(self, digests: Iterable[str]) -> dict[str, list[StoredEntry]]:
         """Entries naming each digest, in index order."""
         wanted = list(dict.fromkeys(digests))
         found: dict[str, list[StoredEntry]] = {d: [] for d in wanted}
-        with self.db.read.connect() as conn:
-            for start in range(0, len(wanted), 500):
-                part = wanted[start : start + 500]
-                for digest, idx, body in conn.execute(self._BY_DIGEST, {"digests": part}):
-                    found[digest].append(StoredEntry(idx, body))
+        for start in range(0, len(wanted), QUERY_BATCH):
+            part = wanted[start : start + QUERY_BATCH]
+            sql = self._BY_DIGEST.format(tables.placeholders(len(part)))
+            for digest, idx, body in self.db.fetch(sql, part):
+                found[digest].append(StoredEntry(idx, bytes(body)))
         return found
 
     def entry(self, index: int) -> StoredEntry:

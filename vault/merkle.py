@@ -286,9 +286,11 @@ def verify_consistency(
     old_size: int, new_size: int, old_root: bytes, new_root: bytes, proof: Sequence[bytes]
 ) -> None:
     """Check that the tree of `new_size` leaves with root `new_root` extends the tree of
-    `old_size` leaves with root `old_root` (RFC 9162 §2.1.4.2; equal sizes and an empty old
-    tree are handled as RFC 9162 leaves to the caller: the proof must then be empty).
-    Raises VerificationError naming the step that failed."""
+    `old_size` leaves with root `old_root` (RFC 9162 §2.1.4.2).
+
+    The RFC algorithm covers 0 < old_size < new_size. Outside it the proof must be empty: equal
+    sizes need equal roots, and every tree extends the empty one. Raises VerificationError
+    naming the step that failed."""
     _check_size(old_size, "old tree size")
     _check_size(new_size, "new tree size")
     _check_hash(old_root, f"root of tree size {old_size}")

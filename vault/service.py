@@ -239,12 +239,12 @@ class LedgerService(rpc.LedgerServicer):
         return pb.PinBatchResponse(entries=[_entry(e) for e in self.ledger.append(specs)])
 
     def _lookup_keys(self, text: str) -> list[str]:
+        """Pins name stored blobs by sha256; a blake3 alias is resolved through the catalog."""
         digest = Digest.parse(text)
+        if digest.algorithm == "sha256":
+            return [str(digest)]
         found = self.content.find(digest)
-        keys = [str(digest)]
-        if found is not None:
-            keys = [str(found.info.sha256), str(found.info.blake3)]
-        return keys
+        return [str(digest)] if found is None else [str(digest), str(found.info.sha256)]
 
     def _prove(
         self, found: list[list[StoredEntry]], known_size: int
@@ -289,12 +289,14 @@ class LedgerService(rpc.LedgerServicer):
             raise InvalidArgument(
                 f"too many digests: {len(request.digests)} (at most {MAX_LOOKUP_BATCH} a call)"
             )
-        for d in request.digests:
-            Digest.parse(d)
-        found = self.ledger.entries_for(request.digests)
-        proven, signed, consistency = self._prove(
-            [found[d] for d in request.digests], request.known_size
-        )
+        # A blake3 alias names the same pins as its sha256 digest, as in Lookup.
+        keys = {d: self._lookup_keys(d) for d in request.digests}
+        found = self.ledger.entries_for(k for ks in keys.values() for k in ks)
+        per_digest = [
+            sorted({e.index: e for k in keys[d] for e in found[k]}.values(), key=lambda e: e.index)
+            for d in request.digests
+        ]
+        proven, signed, consistency = self._prove(per_digest, request.known_size)
         return pb.LookupBatchResponse(
             results=[
                 pb.LookupResult(digest=d, entries=p)

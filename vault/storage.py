@@ -24,8 +24,8 @@ HASH_SIZE: Final = 32
 
 _HEX = re.compile(r"[0-9a-f]{64}")
 
-# SHA-256 is the slowest hash in a put, so it runs on its own thread; this bounds how far the
-# writing thread may run ahead of it (and so the memory held for it) to a few batches.
+# SHA-256 is the slowest of the hashes, so BlobHasher runs it on its own thread; this bounds how
+# far the calling thread may run ahead of it (and so the memory held for it) to a few batches.
 _SHA_BATCH: Final = CHUNK_SIZE
 _SHA_QUEUE_DEPTH: Final = 8
 # Many tiny pieces are joined before hashing so that each update is large enough for hashlib
@@ -217,24 +217,63 @@ class ChunkList:
         return cls(chunk_size, size, sha256, Digest.blake3(b3_raw), hashes)
 
 
-class BlobHasher:
-    """SHA-256, BLAKE3 and the per-chunk BLAKE3 of one stream of bytes, in one pass.
-
-    SHA-256 runs on a background thread (hashlib releases the GIL on large buffers) while the
-    caller's thread does both BLAKE3s, so a put costs about as much wall time as SHA-256 alone.
-    The thread starts only once a blob outgrows one batch, so small blobs spawn nothing. Bytes
-    handed in are hashed later by that thread: a `bytes` object is kept as is, anything mutable
-    is copied first so that the caller may reuse its buffer at once.
-    """
+class ChunkHasher:
+    """The BLAKE3 of a stream and of each `chunk_size` piece of it, in one pass and on whatever
+    thread calls it (the blake3 package releases the GIL while it hashes)."""
 
     def __init__(self, chunk_size: int = CHUNK_SIZE) -> None:
         self.chunk_size = chunk_size
         self.size = 0
-        self._sha = hashlib.sha256()
-        self._b3 = blake3.blake3()
+        self.hashes: list[bytes] = []
+        self._whole = blake3.blake3()
         self._chunk = blake3.blake3()
         self._chunk_filled = 0
-        self._hashes: list[bytes] = []
+
+    def update(self, data: bytes | memoryview) -> None:
+        total = len(data)
+        if not total:
+            return
+        self._whole.update(data)
+        view = memoryview(data)
+        position = 0
+        while position < total:
+            take = min(total - position, self.chunk_size - self._chunk_filled)
+            piece = view[position : position + take]
+            if take == self.chunk_size:
+                self.hashes.append(blake3.blake3(piece).digest())
+            else:
+                self._chunk.update(piece)
+                self._chunk_filled += take
+                if self._chunk_filled == self.chunk_size:
+                    self.hashes.append(self._chunk.digest())
+                    self._chunk.reset()
+                    self._chunk_filled = 0
+            position += take
+        self.size += total
+
+    def chunk_list(self, sha256: Digest) -> ChunkList:
+        """The chunk list of everything hashed so far, given the blob's SHA-256."""
+        hashes = list(self.hashes)
+        if self._chunk_filled:
+            hashes.append(self._chunk.digest())
+        return ChunkList(
+            self.chunk_size, self.size, sha256, Digest.blake3(self._whole.digest()), tuple(hashes)
+        )
+
+
+class BlobHasher:
+    """SHA-256, BLAKE3 and the per-chunk BLAKE3 of one stream of bytes, in one pass.
+
+    SHA-256 runs on a background thread (hashlib releases the GIL on large buffers) while the
+    caller's thread does both BLAKE3s, so hashing costs about as much wall time as SHA-256
+    alone. The thread starts only once a blob outgrows one batch, so small blobs spawn nothing.
+    Bytes handed in are hashed later by that thread: a `bytes` object is kept as is, anything
+    mutable is copied first so that the caller may reuse its buffer at once.
+    """
+
+    def __init__(self, chunk_size: int = CHUNK_SIZE) -> None:
+        self._chunks = ChunkHasher(chunk_size)
+        self._sha = hashlib.sha256()
         self._pending: list[bytes | memoryview] = []
         self._pending_size = 0
         self._queue: queue.Queue[list[bytes | memoryview] | None] | None = None
@@ -242,31 +281,19 @@ class BlobHasher:
         self._cancelled = False
         self._finished = False
 
+    @property
+    def size(self) -> int:
+        return self._chunks.size
+
     def update(self, data: bytes | bytearray | memoryview) -> None:
         if self._finished:
             raise ValueError("update after the hasher finished")
         view = _stable_view(data)
-        total = len(view)
-        if not total:
+        if not len(view):
             return
-        self._b3.update(view)
-        position = 0
-        while position < total:
-            take = min(total - position, self.chunk_size - self._chunk_filled)
-            piece = view[position : position + take]
-            if take == self.chunk_size:
-                self._hashes.append(blake3.blake3(piece).digest())
-            else:
-                self._chunk.update(piece)
-                self._chunk_filled += take
-                if self._chunk_filled == self.chunk_size:
-                    self._hashes.append(self._chunk.digest())
-                    self._chunk.reset()
-                    self._chunk_filled = 0
-            position += take
-        self.size += total
+        self._chunks.update(view)
         self._pending.append(view)
-        self._pending_size += total
+        self._pending_size += len(view)
         if self._pending_size >= _SHA_BATCH:
             self._hand_off()
 
@@ -282,15 +309,7 @@ class BlobHasher:
             for piece in self._pending:
                 self._sha.update(piece)
             self._pending.clear()
-        if self._chunk_filled:
-            self._hashes.append(self._chunk.digest())
-        return ChunkList(
-            self.chunk_size,
-            self.size,
-            Digest.sha256(self._sha.digest()),
-            Digest.blake3(self._b3.digest()),
-            tuple(self._hashes),
-        )
+        return self._chunks.chunk_list(Digest.sha256(self._sha.digest()))
 
     def cancel(self) -> None:
         """Drop whatever is still queued and stop the SHA-256 thread."""
@@ -348,7 +367,8 @@ class BlobWriter(Protocol):
     or by an exception, aborts the write and leaves nothing behind."""
 
     def write(self, data: bytes | memoryview) -> None:
-        """Append bytes; any size. The writer may keep a reference to `bytes` until commit."""
+        """Append bytes, any amount at a time; the caller may reuse its buffer once this
+        returns. After commit or abort, ValueError."""
         ...
 
     def commit(self, expected: Digest | None = None) -> tuple[BlobInfo, bool]:
@@ -398,7 +418,8 @@ class BlobStore(Protocol):
         ...
 
     def verify(self, sha256: Digest) -> BlobInfo:
-        """Re-hash the whole stored copy against its digest and chunk list."""
+        """Re-hash the whole stored copy against its digest and chunk list: IntegrityError if
+        the bytes are not what the digest says, NotFound if the blob is not stored."""
         ...
 
     def delete(self, sha256: Digest) -> None:

@@ -1,0 +1,201 @@
+"""The vault on both of its engines: the same user-visible behaviour on SQLite and on a real
+PostgreSQL, ledger rows that the database itself refuses to change, and two servers appending
+concurrently to one PostgreSQL that keep one linear, valid ledger."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.exc import DBAPIError
+
+from tests.conftest import StartVault
+from tests.services.postgres import PostgresServer
+from tests.services.vault_server import VaultServer
+from vault.checkpoint import Verifier
+
+ORIGIN = "engines.test/ledger"
+ENV = {"PINVAULT_LEDGER_ORIGIN": ORIGIN}
+ENGINES = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+def database_for(engine: str, request: pytest.FixtureRequest) -> str | None:
+    """None for the embedded default; a fresh PostgreSQL database otherwise."""
+    if engine == "sqlite":
+        return None
+    postgres: PostgresServer = request.getfixturevalue("postgres_server")
+    url = postgres.create_database()
+    request.addfinalizer(lambda: postgres.drop_database(sa.make_url(url).database or ""))
+    return url
+
+
+def database_url(server: VaultServer) -> str:
+    return server.database or f"sqlite:///{server.db_path}"
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VaultServer]:
+    database = database_for(request.param, request)
+    base = tmp_path_factory.mktemp(request.param)
+    with VaultServer(base, database=database, env=ENV) as server:
+        engine = "sqlite" if database is None else "postgresql"
+        assert f"ledger {engine} " in server.banner[1]
+        yield server
+
+
+def test_put_pin_lookup_and_verify(server: VaultServer, tmp_path: Path) -> None:
+    path = tmp_path / "manifest.json"
+    path.write_bytes(b'{"files": 3}\n' * 5000)
+    sha256sum = subprocess.run(["sha256sum", str(path)], capture_output=True, check=True)
+    stored = server.run("put", "--json", str(path)).ok().json()
+    assert stored["sha256"] == "sha256:" + sha256sum.stdout.decode().split()[0]
+
+    first = server.run("pin", "dataset", stored["sha256"], "--json").ok().json()
+    second = server.run("pin", "run", stored["blake3"], "--meta", "seed=7", "--json").ok().json()
+    assert second["prev"] == first["leaf_hash"]
+    (zeroth,) = server.run("log", "--limit", "1", "--json").ok().json_lines()
+    assert (zeroth["index"], zeroth["prev"]) == (0, "0" * 64)
+
+    found = server.run("lookup", stored["blake3"], "--json").ok().json()
+    assert [e["index"] for e in found][-2:] == [first["index"], second["index"]]
+    assert server.run("get", stored["sha256"]).ok().output == path.read_bytes()
+    run = server.run("verify", "--blobs").ok()
+    assert "ledger OK" in run.stdout and ", 0 failed" in run.stdout
+
+
+def test_the_database_refuses_to_change_or_delete_ledger_rows(server: VaultServer) -> None:
+    with server.client() as client:
+        client.pin("artefact", "sha256:" + hashlib.sha256(b"immutable").hexdigest(), external=True)
+    statements = [
+        "UPDATE entries SET kind = 'image'",
+        "UPDATE entries SET body = body WHERE idx = 0",
+        "DELETE FROM entries WHERE idx = 0",
+        "UPDATE entry_subjects SET digest = 'sha256:00'",
+        "DELETE FROM entry_subjects",
+        "UPDATE checkpoints SET note = ''",
+        "DELETE FROM checkpoints",
+    ]
+    if server.database is not None:
+        statements += ["TRUNCATE entries", "TRUNCATE checkpoints CASCADE"]
+    engine = sa.create_engine(database_url(server))
+    try:
+        with engine.connect() as conn:
+            count = conn.execute(sa.text("SELECT count(*) FROM entries")).scalar_one()
+        for statement in statements:
+            with pytest.raises(DBAPIError, match="never changed or deleted"), engine.begin() as c:
+                c.execute(sa.text(statement))
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM entries")).scalar_one() == count
+    finally:
+        engine.dispose()
+    assert "ledger OK" in server.run("verify").ok().stdout
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_one_changed_byte_is_named_by_verify(
+    engine: str, request: pytest.FixtureRequest, start_vault: StartVault
+) -> None:
+    server = start_vault(database=database_for(engine, request), env=ENV)
+    with server.client() as client:
+        for n in range(6):
+            client.pin("config", "sha256:" + hashlib.sha256(b"%d" % n).hexdigest(), external=True)
+    server.stop()
+
+    db = sa.create_engine(database_url(server))
+    try:
+        with db.begin() as conn:
+            if server.database is None:
+                conn.execute(sa.text("DROP TRIGGER entries_no_update"))
+            else:
+                conn.execute(sa.text("DROP TRIGGER entries_immutable ON entries"))
+            body = conn.execute(sa.text("SELECT body FROM entries WHERE idx = 3")).scalar_one()
+            altered = bytes(body).replace(b'"kind":"config"', b'"kind":"conf1g"')
+            assert altered != body
+            conn.execute(sa.text("UPDATE entries SET body = :b WHERE idx = 3"), {"b": altered})
+    finally:
+        db.dispose()
+
+    server.restart()
+    run = server.run("verify")
+    assert run.returncode == 1, run.describe()
+    assert "first break at index 3" in run.stdout, run.describe()
+
+
+@pytest.mark.postgres
+def test_two_servers_on_one_postgresql_keep_one_linear_ledger(
+    postgres_url: str, start_vault: StartVault, tmp_path: Path
+) -> None:
+    first = start_vault("first", database=postgres_url, env=ENV)
+    config = tmp_path / "second.toml"
+    config.write_text(f'[ledger]\nkey_file = "{first.key_path}"\norigin = "{ORIGIN}"\n')
+    second = start_vault("second", database=postgres_url, args=["--config", str(config)])
+    servers = (first, second)
+    keys = {s.run("checkpoint", "--key").ok().stdout for s in servers}
+    assert len(keys) == 1
+
+    threads, pins_each = 8, 50
+    subjects = {
+        (t, n): "sha256:" + hashlib.sha256(f"{t}/{n}".encode()).hexdigest()
+        for t in range(threads)
+        for n in range(pins_each)
+    }
+    indexes: dict[str, int] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(threads)
+
+    def append(t: int) -> None:
+        try:
+            with servers[t % 2].client(author=f"thread-{t}@lab") as client:
+                barrier.wait()
+                for n in range(pins_each):
+                    # Each pin comes back proved against a checkpoint consistent with the last
+                    # one this client saw, whichever server signed it.
+                    proven = client.pin("run", subjects[t, n], external=True)
+                    indexes[subjects[t, n]] = proven.entry.index
+        except BaseException as exc:
+            errors.append(exc)
+
+    workers = [threading.Thread(target=append, args=(t,)) for t in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert errors == []
+    total = threads * pins_each
+    assert sorted(indexes.values()) == list(range(total))
+
+    verifier = Verifier.from_string(keys.pop().strip())
+    roots = set()
+    for server in servers:
+        checkpoint = verifier.open(server.run("checkpoint").ok().stdout)
+        assert checkpoint.size == total
+        roots.add(checkpoint.root)
+        run = server.run("verify").ok()
+        assert re.search(rf"ledger: {total} entries", run.stdout) and "ledger OK" in run.stdout
+        with server.client() as client:
+            found = client.lookup_many(list(subjects.values()))
+        assert {d: [p.entry.index for p in found[d]] for d in found} == {
+            d: [i] for d, i in indexes.items()
+        }
+        line = server.run("lookup", subjects[7, 49]).ok().stdout.splitlines()[1]
+        assert line.split()[0] == str(indexes[subjects[7, 49]])
+    assert len(roots) == 1
+
+
+def test_a_database_that_cannot_be_opened_is_one_line_from_serve(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/no-such-folder/vault.db"
+    server = VaultServer(tmp_path, database=url)
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        server.start()
+    assert "Traceback" not in server.log()
+    assert server.log().splitlines()[-1] == (
+        f"vault: UNAVAILABLE: cannot open the ledger database {url}: unable to open database file"
+    )

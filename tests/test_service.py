@@ -1,0 +1,257 @@
+"""The gRPC services as any client sees them over a socket: the status code of every kind of
+failure, batch calls answered in one round trip, all-or-none appends, and no unverified byte
+ever sent."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pool
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from tests.services.vault_server import VaultServer
+from vault.errors import IntegrityError
+from vault.storage import CHUNK_SIZE
+from vault.wire import pinvault_pb2 as pb
+from vault.wire import pinvault_pb2_grpc as rpc
+
+STORED = b"stored by test_service " * 1000
+STORED_SHA256 = "sha256:" + hashlib.sha256(STORED).hexdigest()
+ABSENT = "sha256:" + hashlib.sha256(b"never stored").hexdigest()
+
+
+@pytest.fixture(scope="module")
+def server(vault_server: VaultServer) -> VaultServer:
+    with vault_server.client() as client:
+        client.put(STORED)
+    return vault_server
+
+
+@pytest.fixture
+def channel(server: VaultServer) -> Any:
+    with grpc.insecure_channel(server.address) as channel:
+        yield channel
+
+
+def ledger_size(server: VaultServer) -> int:
+    with server.client() as client:
+        return client.checkpoint().size
+
+
+def pin(kind: str = "image", subjects: tuple[str, ...] = (STORED_SHA256,), **fields: Any) -> Any:
+    fields.setdefault("author", "tester@lab")
+    return pb.PinRequest(kind=kind, subjects=subjects, **fields)
+
+
+# Each call, the status it must end with, and what its message must name.
+FAILURES: dict[str, tuple[Callable[[Any, Any], Any], grpc.StatusCode, str]] = {
+    "get an unknown blob": (
+        lambda s, _: list(s.Get(pb.GetRequest(digest=ABSENT))),
+        grpc.StatusCode.NOT_FOUND,
+        ABSENT,
+    ),
+    "get a malformed digest": (
+        lambda s, _: list(s.Get(pb.GetRequest(digest="sha256:XYZ"))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "'sha256:XYZ'",
+    ),
+    "get beyond the end": (
+        lambda s, _: list(s.Get(pb.GetRequest(digest=STORED_SHA256, offset=len(STORED) + 1))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "beyond the end",
+    ),
+    "stat an unknown blob": (
+        lambda s, _: s.Stat(pb.StatRequest(digest=ABSENT)),
+        grpc.StatusCode.NOT_FOUND,
+        ABSENT,
+    ),
+    "find missing among malformed digests": (
+        lambda s, _: s.FindMissing(pb.FindMissingRequest(digests=[STORED_SHA256, "md5:00"])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "'md5'",
+    ),
+    "put bytes that do not match the expected digest": (
+        lambda s, _: s.Put(
+            iter(
+                [
+                    pb.PutRequest(header=pb.PutHeader(expected_digest=STORED_SHA256)),
+                    pb.PutRequest(data=b"other bytes"),
+                ]
+            )
+        ),
+        grpc.StatusCode.DATA_LOSS,
+        STORED_SHA256,
+    ),
+    "pin a blob not in the store": (
+        lambda _, ledger: ledger.Pin(pin(subjects=(ABSENT,))),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "put it first",
+    ),
+    "pin an unknown kind": (
+        lambda _, ledger: ledger.Pin(pin(kind="model")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "unknown kind 'model'",
+    ),
+    "pin with no author": (
+        lambda _, ledger: ledger.Pin(pin(author="")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "author",
+    ),
+    "pin nothing": (
+        lambda _, ledger: ledger.Pin(pin(subjects=())),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "at least one subject",
+    ),
+    "pin too much metadata": (
+        lambda _, ledger: ledger.Pin(pin(meta={f"k{n}": "v" * 300 for n in range(60)})),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "(at most 16384)",
+    ),
+    "a batch with one bad pin": (
+        lambda _, ledger: ledger.PinBatch(
+            pb.PinBatchRequest(pins=[pin(), pin(), pin(subjects=("sha256:1234",))])
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "pin 2: wrong length",
+    ),
+    "look up what no entry pins": (
+        lambda _, ledger: ledger.Lookup(pb.LookupRequest(digest=ABSENT)),
+        grpc.StatusCode.NOT_FOUND,
+        ABSENT,
+    ),
+    "a proof for an index not in the ledger": (
+        lambda _, ledger: ledger.GetInclusionProof(pb.InclusionProofRequest(index=10**9)),
+        grpc.StatusCode.NOT_FOUND,
+        "fewer than 1000000001",
+    ),
+    "a consistency proof backwards": (
+        lambda _, ledger: ledger.GetConsistencyProof(
+            pb.ConsistencyProofRequest(old_size=2, new_size=1)
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "larger than new size",
+    ),
+    "log filtered by a malformed digest": (
+        lambda _, ledger: ledger.Log(pb.LogRequest(digest="latest")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "'latest'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FAILURES))
+def test_each_failure_has_its_status_code_and_changes_nothing(
+    server: VaultServer, channel: Any, case: str
+) -> None:
+    call, code, named = FAILURES[case]
+    with server.client() as client:
+        client.pin("image", STORED_SHA256)  # so that the ledger is not empty
+    size, files = ledger_size(server), server.stored_files()
+    with pytest.raises(grpc.RpcError) as caught:
+        call(rpc.StoreStub(channel), rpc.LedgerStub(channel))
+    assert caught.value.code() == code, caught.value.details()
+    assert named in caught.value.details()
+    assert "\n" not in caught.value.details()
+    assert ledger_size(server) == size
+    assert server.stored_files() == files
+
+
+def test_find_missing_answers_ten_thousand_digests_in_one_call(
+    server: VaultServer, channel: Any
+) -> None:
+    with server.client() as client:
+        stored = [client.put(b"present %d" % n).blob for n in range(5)]
+    present = [str(b.sha256) for b in stored] + [str(b.blake3) for b in stored]
+    rng = random.Random("find missing")
+    absent = [f"{rng.choice(['sha256', 'blake3'])}:{rng.randbytes(32).hex()}" for _ in range(9_980)]
+    asked = present + absent + absent[:5] + present[:5]  # repeats are answered as asked
+    rng.shuffle(asked)
+    assert len(asked) == 10_000
+
+    response = rpc.StoreStub(channel).FindMissing(pb.FindMissingRequest(digests=asked), timeout=30)
+    assert list(response.missing) == [d for d in asked if d not in set(present)]
+
+
+def test_a_corrupt_chunk_never_leaves_the_server(server: VaultServer, channel: Any) -> None:
+    data = random.Random("corrupt").randbytes(3 * CHUNK_SIZE)
+    with server.client() as client:
+        sha256 = str(client.put(data).blob.sha256)
+    path = server.blob_path(sha256)
+    damaged = bytearray(path.read_bytes())
+    damaged[2 * CHUNK_SIZE + 5] ^= 0x80  # the third chunk
+    path.write_bytes(damaged)
+
+    sent: list[pb.Chunk] = []
+    with pytest.raises(grpc.RpcError) as caught:
+        for response in rpc.StoreStub(channel).Get(pb.GetRequest(digest=sha256)):
+            if response.WhichOneof("part") == "chunk":
+                sent.append(response.chunk)
+    assert caught.value.code() == grpc.StatusCode.DATA_LOSS
+    assert sha256 in caught.value.details() and "byte offset 2097152" in caught.value.details()
+    assert [c.offset for c in sent] == [0, CHUNK_SIZE]
+    assert b"".join(c.data for c in sent) == data[: 2 * CHUNK_SIZE]
+
+    with server.client() as client, pytest.raises(IntegrityError, match="byte offset 2097152"):
+        client.open(sha256, offset=2 * CHUNK_SIZE, length=1).read()
+
+
+def test_concurrent_puts_of_the_same_bytes_store_it_once(server: VaultServer) -> None:
+    data = random.Random("concurrent").randbytes(2 * CHUNK_SIZE + 1)
+    before = set(server.stored_files())
+    results: list[bool] = []
+    barrier = threading.Barrier(6)
+
+    def put() -> None:
+        with server.client() as client:
+            barrier.wait()
+            results.append(client.put(data).created)
+
+    threads = [threading.Thread(target=put) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results) == [False] * 5 + [True]
+    sha256 = "sha256:" + hashlib.sha256(data).hexdigest()
+    blob = server.blob_path(sha256)
+    assert set(server.stored_files()) - before == {blob, blob.with_name(blob.name + ".chunks")}
+
+
+def test_a_batch_appends_all_its_entries_at_once_in_order(server: VaultServer) -> None:
+    with server.client() as client:
+        blake3 = str(client.put(STORED).blob.blake3)
+        size = client.checkpoint().size
+        response = client.ledger.PinBatch(
+            pb.PinBatchRequest(pins=[pin(kind=k) for k in ("image", "dataset", "config")])
+        )
+        assert [e.index for e in response.entries] == [size, size + 1, size + 2]
+        found = client.lookup_many([STORED_SHA256, blake3, ABSENT])
+    assert [p.entry.index for p in found[blake3]] == [p.entry.index for p in found[STORED_SHA256]]
+    assert [p.entry.kind for p in found[STORED_SHA256]][-3:] == ["image", "dataset", "config"]
+    assert found[ABSENT] == []
+
+
+def test_no_call_changes_or_deletes_an_entry(channel: Any) -> None:
+    pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+    ledger = {m.name for m in pool.FindServiceByName("pinvault.v1.Ledger").methods}
+    appends = {"Pin", "PinBatch"}
+    reads = {
+        "Lookup",
+        "LookupBatch",
+        "Log",
+        "GetCheckpoint",
+        "GetInclusionProof",
+        "GetConsistencyProof",
+        "GetVerifierKey",
+        "ReadEntries",
+        "ReadCheckpoints",
+    }
+    assert ledger == appends | reads, "a new ledger call must be reviewed: entries never change"
