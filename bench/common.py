@@ -38,9 +38,13 @@ class Server:
 
 
 @contextmanager
-def vault_server(data_dir: Path | None = None, env: dict[str, str] | None = None) -> Iterator[Server]:
+def vault_server(
+    data_dir: Path | None = None, env: dict[str, str] | None = None
+) -> Iterator[Server]:
     """`vault serve` in a child process, listening on a port the kernel picks."""
-    with tempfile.TemporaryDirectory(prefix="pinvault-bench-", dir=os.environ.get("BENCH_TMP")) as tmp:
+    with tempfile.TemporaryDirectory(
+        prefix="pinvault-bench-", dir=os.environ.get("BENCH_TMP")
+    ) as tmp:
         data = data_dir or Path(tmp) / "data"
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("PINVAULT_")}
         child_env.update(env or {})
@@ -95,9 +99,7 @@ class Load:
         return self.requests / self.seconds
 
     def __str__(self) -> str:
-        return (
-            f"{self.rate:,.0f} req/s  p50 {self.p50 * 1000:.2f} ms  p99 {self.p99 * 1000:.2f} ms"
-        )
+        return f"{self.rate:,.0f} req/s  p50 {self.p50 * 1000:.2f} ms  p99 {self.p99 * 1000:.2f} ms"
 
 
 def load(call: Callable[[], Awaitable[object]], *, concurrency: int, seconds: float) -> Load:

@@ -16,7 +16,7 @@ import time
 
 import grpc
 
-from bench.common import ROOT, load, row, vault_server
+from bench.common import ROOT, Load, load, row, vault_server
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
@@ -43,18 +43,17 @@ def populate(address: str, count: int) -> list[str]:
     return digests
 
 
-def echo_rate(seconds: float, payload: bytes) -> object:
+def echo_rate(seconds: float, payload: bytes) -> Load:
+    """The same callers against a bare echo service in its own process."""
     process = subprocess.Popen(
         [sys.executable, "-m", "bench.echo_server"], cwd=ROOT, stdout=subprocess.PIPE
     )
     assert process.stdout is not None
-    address = re.search(r"on (\S+)", process.stdout.readline().decode()).group(1)  # type: ignore[union-attr]
+    found = re.search(r"on (\S+)", process.stdout.readline().decode())
+    assert found, "the echo server did not start"
+    address = found.group(1)
     try:
-
-        async def setup() -> None:
-            pass
-
-        channel = None
+        channel: grpc.aio.Channel | None = None
 
         async def call() -> None:
             nonlocal channel
@@ -92,7 +91,13 @@ def main() -> None:
 
         vault = load(lookup, concurrency=CONCURRENCY, seconds=args.seconds)
 
-        with grpc.insecure_channel(server.address, options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]) as sync_channel:
+        with grpc.insecure_channel(
+            server.address,
+            options=[
+                ("grpc.max_receive_message_length", 256 << 20),
+                ("grpc.max_send_message_length", 256 << 20),
+            ],
+        ) as sync_channel:
             ledger = rpc.LedgerStub(sync_channel)
             store = rpc.StoreStub(sync_channel)
             batch = digests[:1000]
@@ -113,11 +118,21 @@ def main() -> None:
             assert len(missing) == len(probe)
             exist = sorted(samples)[2]
 
-    print(f"{CONCURRENCY} concurrent callers, {args.seconds:.0f} s each, ledger of {args.pins} pins")
+    print(
+        f"{CONCURRENCY} concurrent callers, {args.seconds:.0f} s each, ledger of {args.pins} pins"
+    )
     print(f"  echo   {echo}")
     print(f"  lookup {vault}")
-    ratio = vault.rate / echo.rate  # type: ignore[attr-defined]
-    print(row("pin look-ups (with inclusion proofs)", f"{vault.rate:,.0f}/s", f"{echo.rate:,.0f}/s", ratio, "goal >= 0.70x echo, p99 < 5 ms"))  # type: ignore[attr-defined]
+    ratio = vault.rate / echo.rate
+    print(
+        row(
+            "pin look-ups (with inclusion proofs)",
+            f"{vault.rate:,.0f}/s",
+            f"{echo.rate:,.0f}/s",
+            ratio,
+            "goal >= 0.70x echo, p99 < 5 ms",
+        )
+    )
     print(f"look-up p99 {vault.p99 * 1000:.2f} ms")
     print(f"batch look-up, 1000 digests a call: {batch_rate:,.0f} digests/s (goal >= 50,000)")
     print(f"batch existence of 100,000 digests: {exist:.3f} s (goal < 1 s)")

@@ -299,6 +299,24 @@ def test_a_copy_of_the_wrong_length_is_caught(tier: HotTier, change: int) -> Non
         tier.verify(info.sha256)
 
 
+def test_a_copy_cut_short_while_being_read_yields_nothing_stale(tier: HotTier) -> None:
+    size = 24 * CHUNK_SIZE
+    data = content(size, seed=7)
+    info = put_bytes(tier, data)
+    cut = 20 * CHUNK_SIZE + 5
+
+    yielded = []
+    with pytest.raises(IntegrityError, match=str(info.sha256)):
+        for chunk in tier.read(info.sha256):
+            if not yielded:
+                os.truncate(blob_file(tier, info.sha256), cut)
+            yielded.append(chunk)
+
+    assert 1 <= len(yielded) <= cut // CHUNK_SIZE
+    for chunk in yielded:
+        assert chunk.data == data[chunk.offset : chunk.offset + CHUNK_SIZE]
+
+
 # -- memory ------------------------------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ import os
 import queue
 import secrets
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Final, Self
@@ -47,10 +47,13 @@ WRITE_THREADS: Final = 2
 # Without direct I/O the bytes pile up in the page cache; syncing every so many bytes in the
 # background keeps the final sync, which the caller waits for, short.
 SYNC_EVERY: Final = 64 << 20
-# A long read asks the kernel for up to READ_AHEAD bytes beyond the chunk being verified,
-# renewing the request every READ_AHEAD_CHUNKS chunks.
+# Reads with direct I/O: two threads, each reading a block into its own aligned buffer, keep
+# two reads in flight, a few blocks ahead of the caller.
+READ_BLOCK: Final = 2 * CHUNK_SIZE
+READ_THREADS: Final = 2
+READ_BLOCKS_AHEAD: Final = 4
+# Reads through the page cache instead ask the kernel for this much ahead of the caller.
 READ_AHEAD: Final = 32 << 20
-READ_AHEAD_CHUNKS: Final = 8
 
 _O_DIRECT: Final[int] = getattr(os, "O_DIRECT", 0)
 
@@ -186,18 +189,12 @@ class HotTier:
     def _hash_stored_copy(self, sha256: Digest, blob: Path) -> ChunkList:
         hasher = BlobHasher()
         try:
-            fd = os.open(blob, os.O_RDONLY)
-        except FileNotFoundError:
-            raise NotFound(f"blob {sha256} is not in the hot tier") from None
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            while data := os.read(fd, CHUNK_SIZE):
-                hasher.update(data)
+            with self._open_blob(sha256, blob) as fd:
+                for data in self._pieces(fd, 0, os.fstat(fd).st_size, CHUNK_SIZE):
+                    hasher.update(data)
         except BaseException:
             hasher.cancel()
             raise
-        finally:
-            os.close(fd)
         found = hasher.finish()
         if found.sha256 != sha256:
             raise IntegrityError(
@@ -222,24 +219,42 @@ class HotTier:
     def _read_chunks(self, blob: Path, chunks: ChunkList, wanted: range) -> Iterator[Chunk]:
         if not wanted:
             return
+        with self._open_blob(chunks.sha256, blob) as fd:
+            _check_size(chunks, os.fstat(fd).st_size)
+            start = chunks.span(wanted.start)[0]
+            end = sum(chunks.span(wanted.stop - 1))
+            pieces = self._pieces(fd, start, end, chunks.chunk_size)
+            try:
+                for index in wanted:
+                    # A piece missing because the file was cut short fails the check as empty.
+                    data = next(pieces, b"")
+                    yield Chunk(chunks.span(index)[0], data, chunks.check(index, data))
+            finally:
+                pieces.close()
+
+    @contextlib.contextmanager
+    def _open_blob(self, sha256: Digest, blob: Path) -> Iterator[int]:
         try:
             fd = os.open(blob, os.O_RDONLY)
         except FileNotFoundError:
-            raise NotFound(f"blob {chunks.sha256} is not in the hot tier") from None
+            raise NotFound(f"blob {sha256} is not in the hot tier") from None
         try:
-            _check_size(chunks, os.fstat(fd).st_size)
-            end = sum(chunks.span(wanted.stop - 1))
-            for index in wanted:
-                offset, length = chunks.span(index)
-                if len(wanted) > 1 and (index - wanted.start) % READ_AHEAD_CHUNKS == 0:
-                    # Have the disk read the next stretch of the range while this part is
-                    # verified and sent.
-                    ahead = min(READ_AHEAD, end - offset)
-                    os.posix_fadvise(fd, offset, ahead, os.POSIX_FADV_WILLNEED)
-                data = os.pread(fd, length, offset)
-                yield Chunk(offset, data, chunks.check(index, data))
+            yield fd
         finally:
             os.close(fd)
+
+    def _pieces(self, fd: int, start: int, end: int, piece: int) -> Generator[bytes, None, None]:
+        """The bytes [start, end) of a blob file in pieces of `piece` bytes (the last may be
+        shorter); a piece cut short by the end of the file ends the stream, for the caller's
+        check to catch."""
+        large = end - start > READ_BLOCK
+        if self.direct_io and large and start % ALIGN == 0 and piece % ALIGN == 0:
+            # Past the page cache, a large read does not evict everything else, nor pay for
+            # filling the cache with pages it will not read again; small blobs, the ones read
+            # over and over, stay cached.
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
+            return _direct_pieces(fd, start, end, piece)
+        return _buffered_pieces(fd, start, end, piece)
 
     def _temp_file(self, suffix: str, flags: int = 0) -> tuple[int, str]:
         """A new file in tmp/, flocked for as long as it is open so that another process opening
@@ -563,6 +578,91 @@ _STAGES: Final = 3
 
 class _Discarded(Exception):
     """Tells the stages that the put was given up."""
+
+
+def _buffered_pieces(fd: int, start: int, end: int, piece: int) -> Generator[bytes, None, None]:
+    """Bytes [start, end) of a file in pieces of `piece` bytes, through the page cache; a piece
+    cut short by the end of the file is the last."""
+    if end - start > piece:
+        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_SEQUENTIAL)
+    for offset in range(start, end, piece):
+        wanted = min(piece, end - offset)
+        data = os.pread(fd, wanted, offset)
+        yield data
+        if len(data) < wanted:
+            return
+
+
+def _direct_pieces(fd: int, start: int, end: int, piece: int) -> Generator[bytes, None, None]:
+    """As _buffered_pieces, with direct I/O: READ_THREADS threads each read READ_BLOCK bytes
+    at a time into their own aligned buffer, up to READ_BLOCKS_AHEAD blocks ahead of the
+    caller, so that the disk, the copies out and the caller's checks overlap."""
+    block = max(READ_BLOCK // piece, 1) * piece
+    blocks = range(start, end, block)
+    ready: dict[int, tuple[list[bytes], bool] | BaseException] = {}
+    changed = threading.Condition()
+    taken = 0
+    stopping = False
+
+    def read_block(buffer: memoryview, offset: int) -> tuple[list[bytes], bool]:
+        """The block's pieces, and whether it was read whole; a short read ends with the
+        piece it cut (perhaps empty)."""
+        length = min(block, end - offset)
+        got = os.preadv(fd, [buffer[: -(-length // ALIGN) * ALIGN]], offset)
+        available = min(got, length)
+        pieces = [
+            bytes(buffer[at : min(at + piece, available)])
+            for at in range(0, length, piece)
+            if at <= available
+        ]
+        return pieces, available == length
+
+    def run(first: int) -> None:
+        number = first
+        try:
+            with mmap.mmap(-1, block) as map_, memoryview(map_) as buffer:
+                for number in range(first, len(blocks), READ_THREADS):
+                    with changed:
+                        while not stopping and number - taken >= READ_BLOCKS_AHEAD:
+                            changed.wait()
+                        if stopping:
+                            return
+                    result = read_block(buffer, blocks[number])
+                    with changed:
+                        ready[number] = result
+                        changed.notify_all()
+        except BaseException as error:
+            # The caller raises it when it reaches this block.
+            with changed:
+                ready[number] = error
+                changed.notify_all()
+
+    threads = [
+        threading.Thread(target=run, args=(first,), name=f"pinvault-read-{first}", daemon=True)
+        for first in range(min(READ_THREADS, len(blocks)))
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        for number in range(len(blocks)):
+            with changed:
+                while number not in ready:
+                    changed.wait()
+                result = ready.pop(number)
+                taken = number + 1
+                changed.notify_all()
+            if isinstance(result, BaseException):
+                raise result
+            pieces, whole = result
+            yield from pieces
+            if not whole:
+                return
+    finally:
+        with changed:
+            stopping = True
+            changed.notify_all()
+        for thread in threads:
+            thread.join()
 
 
 def _chunks_path(blob: Path) -> Path:

@@ -4,7 +4,8 @@ their schema version and upgrades, and the triggers that make ledger rows immuta
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -138,6 +139,65 @@ class Database:
         self._held.clear()
         self.read.dispose()
         self.write.dispose()
+
+
+class Transaction:
+    """Statements inside one driver-level transaction (see `Writer`), `?` placeholders."""
+
+    def __init__(self, cursor: Any, sqlite: bool) -> None:
+        self._cursor = cursor
+        self._sqlite = sqlite
+
+    def _sql(self, sql: str) -> str:
+        return sql if self._sqlite else sql.replace("?", "%s")
+
+    def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        self._cursor.execute(self._sql(sql), params)
+        return list(self._cursor.fetchall())
+
+    def run(self, sql: str, params: Sequence[Any] = ()) -> None:
+        self._cursor.execute(self._sql(sql), params)
+
+    def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        if rows:
+            self._cursor.executemany(self._sql(sql), rows)
+
+
+class Writer:
+    """The appender's own driver connection: a transaction is a handful of C calls, not a
+    trip through SQLAlchemy, because appends are the hot write path. One thread only."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._raw: Any = None
+
+    @contextmanager
+    def begin(self) -> Iterator[Transaction]:
+        if self._raw is None:
+            self._raw = self._db.write.raw_connection()
+            if not self._db.is_sqlite:
+                self._raw.driver_connection.autocommit = True
+        cursor = self._raw.driver_connection.cursor()
+        try:
+            # SQLite: take the write lock up front, so the head read stays the head.
+            cursor.execute("BEGIN IMMEDIATE" if self._db.is_sqlite else "BEGIN")
+            yield Transaction(cursor, self._db.is_sqlite)
+            cursor.execute("COMMIT")
+        except BaseException:
+            try:
+                cursor.execute("ROLLBACK")
+            except Exception:
+                self.close()  # a connection that cannot roll back is not reused
+            raise
+        finally:
+            with suppress(Exception):
+                cursor.close()
+
+    def close(self) -> None:
+        if self._raw is not None:
+            with suppress(Exception):
+                self._raw.close()
+            self._raw = None
 
 
 def placeholders(count: int) -> str:

@@ -6,17 +6,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from vault import db as tables
 from vault.checkpoint import Checkpoint, SigningKey, Verifier
-from vault.db import Database
+from vault.db import Database, Writer
 from vault.entry import Entry, check_author, check_kind, check_meta, check_subjects, now
 from vault.errors import InvalidArgument, NotFound, Unavailable, VaultError, VerificationError
 from vault.merkle import MerkleTree, leaf_hash
@@ -113,6 +113,9 @@ _INSERT_ENTRY: Final = (
     "VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 _INSERT_SUBJECT: Final = "INSERT INTO entry_subjects (digest, idx) VALUES (?, ?)"
+_HEAD: Final = "SELECT size, last_leaf FROM ledger_head WHERE id = 1"
+
+Query = Callable[[str, Sequence[Any]], list[tuple[Any, ...]]]
 
 
 class Ledger:
@@ -142,6 +145,7 @@ class Ledger:
         self._latest: SignedCheckpoint | None = None
         self._queue: queue.SimpleQueue[_Append | object] = queue.SimpleQueue()
         self._closed = threading.Event()
+        self._writer_db = Writer(db)
         self.sync()
         self._latest = self._load_latest_checkpoint()
         self._writer = threading.Thread(target=self._write_loop, name="ledger-writer", daemon=True)
@@ -211,14 +215,10 @@ class Ledger:
         return results
 
     def _insert(self, batch: Sequence[_Append]) -> list[list[StoredEntry]]:
-        with self.db.write.begin() as conn:
-            head_query = select(tables.ledger_head.c.size, tables.ledger_head.c.last_leaf).where(
-                tables.ledger_head.c.id == 1
-            )
-            if not self.db.is_sqlite:
-                head_query = head_query.with_for_update()
-            size, last = conn.execute(head_query).one()
-            self._catch_up(conn, size, last)
+        with self._writer_db.begin() as tx:
+            ((size, last),) = tx.all(_HEAD + ("" if self.db.is_sqlite else " FOR UPDATE"))
+            last = bytes(last)
+            self._catch_up(tx.all, size, last)
             time = now()
             rows: list[tuple[object, ...]] = []
             subject_rows: list[tuple[str, int]] = []
@@ -245,35 +245,25 @@ class Ledger:
                     stored.append(StoredEntry(size, body))
                     size += 1
                 results.append(stored)
-            # Plain driver executemany: appends are the hot write path.
-            conn.exec_driver_sql(self._sql(_INSERT_ENTRY), rows)
-            conn.exec_driver_sql(self._sql(_INSERT_SUBJECT), subject_rows)
-            conn.execute(
-                tables.ledger_head.update()
-                .where(tables.ledger_head.c.id == 1)
-                .values(size=size, last_leaf=prev)
-            )
+            tx.many(_INSERT_ENTRY, rows)
+            tx.many(_INSERT_SUBJECT, subject_rows)
+            tx.run("UPDATE ledger_head SET size = ?, last_leaf = ? WHERE id = 1", (size, prev))
         # Committed: only now do the new leaves become part of what this server proves.
         self._tree.extend(leaves)
         return results
 
-    def _sql(self, sql: str) -> str:
-        return sql if self.db.is_sqlite else sql.replace("?", "%s")
-
-    def _catch_up(self, conn: Connection, size: int, last: bytes) -> None:
+    def _catch_up(self, query: Query, size: int, last: bytes) -> None:
         """Load leaf hashes that other servers appended since this tree last looked."""
         have = self._tree.size
         if size > have:
-            result = conn.execute(
-                select(tables.entries.c.idx, tables.entries.c.leaf_hash)
-                .where(tables.entries.c.idx >= have, tables.entries.c.idx < size)
-                .order_by(tables.entries.c.idx)
-            )
             expected = have
-            for idx, leaf in result:
+            for idx, leaf in query(
+                "SELECT idx, leaf_hash FROM entries WHERE idx >= ? AND idx < ? ORDER BY idx",
+                (have, size),
+            ):
                 if idx != expected:
                     raise VerificationError(f"ledger entry {expected} is missing", index=expected)
-                self._tree.append(leaf)
+                self._tree.append(bytes(leaf))
                 expected += 1
             if expected != size:
                 raise VerificationError(f"ledger entry {expected} is missing", index=expected)
@@ -289,12 +279,10 @@ class Ledger:
 
     def sync(self) -> int:
         """Bring the tree up to the stored head; returns the size."""
-        with self._tree_lock, self.db.read.connect() as conn:
-            size, last = conn.execute(
-                select(tables.ledger_head.c.size, tables.ledger_head.c.last_leaf)
-            ).one()
+        with self._tree_lock:
+            ((size, last),) = self.db.fetch(_HEAD)
             if size != self._tree.size:
-                self._catch_up(conn, size, last)
+                self._catch_up(self.db.fetch, size, bytes(last))
             return self._tree.size
 
     @property
@@ -501,3 +489,4 @@ class Ledger:
         self._queue.put(_STOP)
         self._writer.join()
         self._checkpointer.join()
+        self._writer_db.close()

@@ -119,8 +119,10 @@ class VaultServer:
     """One `vault serve` process.
 
     `base` holds everything it owns: data/ (unless `data_dir` is given), state/ (the client
-    trust state of commands run through `run`), and the server's stdout and log. `database`
-    is a SQLAlchemy URL passed as PINVAULT_LEDGER_DATABASE; `env` adds or overrides variables.
+    trust state of commands run through `run`), and the server's stdout and log. The data
+    folder is passed as PINVAULT_DATA_DIR unless `data_dir_from_config`, when the server must
+    find it from its config file or defaults. `database` is a SQLAlchemy URL passed as
+    PINVAULT_LEDGER_DATABASE; `env` adds or overrides variables; `args` go before `serve`.
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class VaultServer:
         base: Path,
         *,
         data_dir: Path | None = None,
+        data_dir_from_config: bool = False,
         database: str | None = None,
         env: Mapping[str, str] | None = None,
         args: Sequence[str] = (),
@@ -135,6 +138,7 @@ class VaultServer:
     ) -> None:
         self.base = base
         self.data_dir = data_dir if data_dir is not None else base / "data"
+        self.data_dir_from_config = data_dir_from_config
         self.state_home = base / "state"
         self.database = database
         self.extra_env = dict(env or {})
@@ -150,10 +154,9 @@ class VaultServer:
     # -- life cycle -------------------------------------------------------------------------
 
     def env(self) -> dict[str, str]:
-        extra = {
-            "PINVAULT_DATA_DIR": str(self.data_dir),
-            "XDG_DATA_HOME": str(self.base / "xdg-data"),
-        }
+        extra = {"XDG_DATA_HOME": str(self.base / "xdg-data")}
+        if not self.data_dir_from_config:
+            extra["PINVAULT_DATA_DIR"] = str(self.data_dir)
         if self.database is not None:
             extra["PINVAULT_LEDGER_DATABASE"] = self.database
         extra.update(self.extra_env)
