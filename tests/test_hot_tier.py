@@ -20,6 +20,7 @@ from vault.storage import (
     CHUNK_SIZE,
     BlobInfo,
     BlobStore,
+    Chunk,
     ChunkList,
     get_bytes,
     put_bytes,
@@ -305,7 +306,7 @@ def test_a_copy_cut_short_while_being_read_yields_nothing_stale(tier: HotTier) -
     info = put_bytes(tier, data)
     cut = 20 * CHUNK_SIZE + 5
 
-    yielded = []
+    yielded: list[Chunk] = []
     with pytest.raises(IntegrityError, match=str(info.sha256)):
         for chunk in tier.read(info.sha256):
             if not yielded:

@@ -225,6 +225,27 @@ def test_concurrent_puts_of_the_same_bytes_store_it_once(server: VaultServer) ->
     assert set(server.stored_files()) - before == {blob, blob.with_name(blob.name + ".chunks")}
 
 
+def peak_memory(server: VaultServer) -> int:
+    """The server process's peak resident memory so far, in bytes (Linux)."""
+    assert server.process is not None
+    with open(f"/proc/{server.process.pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/PID/status")
+
+
+def test_a_large_put_is_streamed_not_held_in_server_memory(server: VaultServer) -> None:
+    size = 128 * CHUNK_SIZE
+    data = random.Random("large").randbytes(size)
+    server.run("put", "-", input=data[:CHUNK_SIZE]).ok()  # warm up the put path first
+    before = peak_memory(server)
+    line = server.run("put", "-", input=data).ok().stdout
+    assert line.startswith("sha256:" + hashlib.sha256(data).hexdigest())
+    grown = peak_memory(server) - before
+    assert grown < size // 2, f"the server's peak memory grew by {grown >> 20} MiB"
+
+
 def test_a_batch_appends_all_its_entries_at_once_in_order(server: VaultServer) -> None:
     with server.client() as client:
         blake3 = str(client.put(STORED).blob.blake3)

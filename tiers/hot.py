@@ -52,8 +52,6 @@ SYNC_EVERY: Final = 64 << 20
 READ_BLOCK: Final = 2 * CHUNK_SIZE
 READ_THREADS: Final = 2
 READ_BLOCKS_AHEAD: Final = 4
-# Reads through the page cache instead ask the kernel for this much ahead of the caller.
-READ_AHEAD: Final = 32 << 20
 
 _O_DIRECT: Final[int] = getattr(os, "O_DIRECT", 0)
 
@@ -69,8 +67,10 @@ class HotTier:
     and chunk list are on disk. Files left in tmp/ by a crash are removed at open; files still
     being written by another process (each holds an flock on its temp file) are left alone.
 
-    Puts use direct I/O where the file system allows it (`direct_io=None` asks it), which
-    spares the CPU the page-cache copy and leaves nothing for the final sync but the metadata.
+    Puts, and reads of more than READ_BLOCK bytes, use direct I/O where the file system
+    allows it (`direct_io=None` asks it): that spares the CPU the page-cache copy, leaves the
+    final sync of a put nothing but metadata, and keeps one large blob from evicting the small
+    ones that are read over and over.
     """
 
     def __init__(self, root: Path, *, direct_io: bool | None = None) -> None:
