@@ -1,36 +1,37 @@
-"""A bare gRPC echo service with the vault server's settings: the baseline for request rates.
+"""A bare gRPC echo service with the vault server's settings (the asyncio server, the same
+options): the baseline for request rates.
 
-python -m bench.echo_server   (prints the address it listens on)
+    python -m bench.echo_server   (prints the address it listens on)
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
-import threading
-from concurrent import futures
 
 import grpc
 
 from vault.service import SERVER_OPTIONS
 
-WORKERS = 32
+
+async def echo(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+    return request
 
 
-def main() -> None:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS), options=SERVER_OPTIONS)
+async def main() -> None:
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     handler = grpc.method_handlers_generic_handler(
-        "bench.Echo",
-        {"Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request)},
+        "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}
     )
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    await server.start()
     print(f"echo serving on 127.0.0.1:{port}", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    stop.wait()
-    server.stop(0)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await server.stop(0)
 
 
 if __name__ == "__main__":
-    main()
+    asyncio.run(main())

@@ -343,7 +343,7 @@ class _Parser(argparse.ArgumentParser):
     """Usage errors in one line, as every other error of the command; exit status 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {' '.join(message.split())} (see {self.prog} --help)\n")
+        self.exit(2, f"vault: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -464,6 +464,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("vault: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
+        return 1
+    except OSError as exc:
+        # A file or folder the command or server was told to use is unusable.
+        where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
+        print(f"vault: {exc.strerror or exc}" + (f": {where}" if where else ""), file=sys.stderr)
         return 1
 
 

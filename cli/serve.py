@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import sys
-import threading
-from types import FrameType
+from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
@@ -50,34 +50,37 @@ def connect(url: str) -> Database:
 def serve(config: Config, listen: str | None = None) -> int:
     config.data_path.mkdir(parents=True, exist_ok=True)
     key = load_or_create_key(config)
-    db = connect(config.database_url)
+    db = open_database(config.database_url)
     ledger = Ledger(
         db, key, origin=config.origin, checkpoint_interval=config.ledger.checkpoint_interval
     )
     content = Content(db, HotTier(config.hot_path))
-    server, address = build_server(
-        ledger, content, listen or config.server.listen, max_workers=config.server.workers
+    try:
+        asyncio.run(_serve(config, ledger, content, listen or config.server.listen))
+    finally:
+        ledger.close()
+        db.dispose()
+    return 0
+
+
+async def _serve(config: Config, ledger: Ledger, content: Content, listen: str) -> None:
+    loop = asyncio.get_running_loop()
+    # Blocking work (disk, hashing, PostgreSQL) runs on these threads, off the event loop.
+    loop.set_default_executor(
+        ThreadPoolExecutor(max_workers=config.server.workers, thread_name_prefix="vault")
     )
-    # Threads coming back from the database or the network wait for the GIL at most this long.
-    sys.setswitchinterval(0.0002)
-    server.start()
-    engine = db.read.dialect.name
+    server, address = await build_server(ledger, content, listen)
+    await server.start()
+    engine = ledger.db.read.dialect.name
     print(f"pinvault serving on {address}", flush=True)
     print(
         f"  data {config.data_path}  ledger {engine} ({ledger.size} entries)  "
         f"checkpoint key {ledger.verifier}",
         flush=True,
     )
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    stop.wait()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
     print("pinvault stopping", file=sys.stderr, flush=True)
-    server.stop(grace=5).wait()
-    ledger.close()
-    db.dispose()
-    return 0
+    await server.stop(grace=5)

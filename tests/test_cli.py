@@ -254,6 +254,19 @@ def test_an_unknown_digest_is_not_found_in_one_line(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_get_to_a_path_that_cannot_be_written_is_one_line_and_leaves_nothing(
+    vault_server: VaultServer, tmp_path: Path
+) -> None:
+    sha256, _ = put(vault_server, b"to be written somewhere")
+    for target, problem in (
+        (tmp_path / "no-such-folder" / "out", "No such file or directory"),
+        (tmp_path, "it is a folder"),
+    ):
+        line = vault_server.run("get", sha256, "-o", str(target)).error_line()
+        assert f"cannot write {target}: {problem}" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_range_beyond_the_end_is_refused_naming_the_size(
     vault_server: VaultServer, tmp_path: Path
 ) -> None:

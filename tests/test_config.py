@@ -168,6 +168,22 @@ def test_a_missing_config_file_is_named(tmp_path: Path) -> None:
     assert f"cannot read config file {missing}" in line
 
 
+def test_an_unusable_data_folder_or_listen_address_is_one_line_from_serve(
+    start_vault: StartVault, tmp_path: Path
+) -> None:
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("")
+    running = start_vault()
+    for variables, named in (
+        ({"PINVAULT_DATA_DIR": str(not_a_folder)}, str(not_a_folder)),
+        ({"PINVAULT_SERVER_LISTEN": running.address}, running.address),
+        ({"PINVAULT_SERVER_LISTEN": "127.0.0.1:99999"}, "127.0.0.1:99999"),
+    ):
+        env = {"PINVAULT_DATA_DIR": str(tmp_path / "data"), **variables}
+        run = run_vault("serve", env=env, state_home=tmp_path / "state", timeout=30)
+        assert named in run.error_line(alone=False)
+
+
 def test_serve_stops_cleanly_on_sigterm(start_vault: StartVault) -> None:
     server = start_vault()
     server.run("checkpoint").ok()

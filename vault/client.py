@@ -355,11 +355,17 @@ class VaultClient:
     ) -> BlobInfo:
         """Write a verified blob (or range) to `path`; the file appears only once verified."""
         target = Path(path)
+        if target.is_dir():
+            raise InvalidArgument(f"cannot write {target}: it is a folder")
         tmp = target.with_name(f".{target.name}.pinvault-partial")
         # The file appears only once the whole digest matched, so per-chunk checks add nothing.
         reader = self.open(digest, offset=offset, length=length, check_chunks=False)
         try:
-            with open(tmp, "wb") as out:
+            try:
+                out = open(tmp, "wb")  # noqa: SIM115
+            except OSError as exc:
+                raise InvalidArgument(f"cannot write {target}: {exc.strerror}") from None
+            with out:
                 for piece in reader.chunks():
                     out.write(piece)
                     if progress:

@@ -159,8 +159,14 @@ class Ledger:
 
     def append(self, pins: Sequence[PinSpec], timeout: float | None = 60.0) -> list[StoredEntry]:
         """Append entries; returns once they are durable. All or none."""
+        return self.submit(pins).result(timeout)
+
+    def submit(self, pins: Sequence[PinSpec]) -> Future[list[StoredEntry]]:
+        """Queue entries for the next group commit; the future resolves once they are durable."""
         if not pins:
-            return []
+            done: Future[list[StoredEntry]] = Future()
+            done.set_result([])
+            return done
         if len(pins) > MAX_BATCH:
             raise InvalidArgument(
                 f"too many entries in one append: {len(pins)} (at most {MAX_BATCH})"
@@ -169,7 +175,7 @@ class Ledger:
             raise Unavailable("the ledger is closed")
         request = _Append(pins)
         self._queue.put(request)
-        return request.future.result(timeout)
+        return request.future
 
     def _write_loop(self) -> None:
         while True:

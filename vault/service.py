@@ -3,14 +3,15 @@ at the transport edge, and nowhere else."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
-from collections.abc import Callable, Iterator
-from concurrent import futures
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, Final, NoReturn, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from vault.content import Content, StoredBlob
@@ -53,40 +54,78 @@ def status_for(error: VaultError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> NoReturn:
     if isinstance(exc, VaultError):
-        context.abort(status_for(exc), str(exc))
-    else:
-        log.exception("unexpected error in a request")
-        context.abort(
-            grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
-        )
+        await context.abort(status_for(exc), str(exc))
+    log.error("unexpected error in a request", exc_info=exc)
+    await context.abort(
+        grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
+    )
     raise AssertionError("unreachable: context.abort raises")
 
 
-def unary(method: F) -> F:
+class _Service:
+    """Runs the services' plain (blocking) methods from the asyncio server: inline when they
+    are short (SQLite queries, in-memory proofs), on a worker thread when they may wait (a
+    PostgreSQL round trip, disk reads, hashing)."""
+
+    inline: bool
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        if self.inline:
+            return fn(*args)
+        return await asyncio.to_thread(fn, *args)
+
+
+Handler = Callable[..., Awaitable[Any]]
+
+
+def unary(method: Callable[..., Any]) -> Handler:
+    """An asyncio unary handler from a plain method `(self, request) -> response`."""
+
     @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+    async def wrapper(self: _Service, request: Any, context: Any) -> Any:
         try:
-            return method(self, request, context)
+            return await self.call(method, self, request)
         except Exception as exc:
-            _abort(context, exc)
+            await _abort(context, exc)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
-def streaming(method: F) -> F:
+def unary_async(method: Callable[..., Awaitable[Any]]) -> Handler:
+    """An asyncio unary handler from a coroutine method `(self, request) -> response`."""
+
     @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+    async def wrapper(self: _Service, request: Any, context: Any) -> Any:
         try:
-            yield from method(self, request, context)
+            return await method(self, request)
         except Exception as exc:
-            _abort(context, exc)
+            await _abort(context, exc)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
+
+
+_END = object()
+
+
+def streaming(method: Callable[..., Iterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    """An asyncio server-streaming handler from a plain generator method; each message is
+    produced on a worker thread, since producing it reads disks or databases."""
+
+    @functools.wraps(method)
+    async def wrapper(self: _Service, request: Any, context: Any) -> AsyncIterator[Any]:
+        try:
+            messages = method(self, request, context)
+            while (message := await asyncio.to_thread(next, messages, _END)) is not _END:
+                yield message
+        except Exception as exc:
+            await _abort(context, exc)
+
+    return wrapper
 
 
 def _blob(blob: StoredBlob) -> pb.BlobInfo:
@@ -104,16 +143,28 @@ def _checkpoint(signed: SignedCheckpoint) -> pb.Checkpoint:
     return pb.Checkpoint(note=signed.note)
 
 
-class StoreService(rpc.StoreServicer):
+class StoreService(_Service, rpc.StoreServicer):
     def __init__(self, content: Content, ledger: Ledger) -> None:
         self.content = content
         self.ledger = ledger
+        self.inline = content.db.is_sqlite
 
-    @unary
-    def Put(
-        self, requests: Iterator[pb.PutRequest], context: grpc.ServicerContext
-    ) -> pb.PutResponse:
-        first = next(requests, None)
+    async def Put(self, requests: AsyncIterator[pb.PutRequest], context: Any) -> pb.PutResponse:
+        try:
+            loop = asyncio.get_running_loop()
+
+            def receive() -> pb.PutRequest | None:
+                """The next message, fetched from the event loop by the storing thread."""
+                message = asyncio.run_coroutine_threadsafe(context.read(), loop).result()
+                return None if message is grpc.aio.EOF else message
+
+            blob, created = await asyncio.to_thread(self._put, receive)
+            return pb.PutResponse(blob=_blob(blob), created=created)
+        except Exception as exc:
+            await _abort(context, exc)
+
+    def _put(self, receive: Callable[[], pb.PutRequest | None]) -> tuple[StoredBlob, bool]:
+        first = receive()
         if first is None:
             raise InvalidArgument("empty put: no header and no bytes")
         expected = None
@@ -126,18 +177,15 @@ class StoreService(rpc.StoreServicer):
 
         def data() -> Iterator[bytes]:
             yield from leading
-            for message in requests:
+            while (message := receive()) is not None:
                 if message.WhichOneof("part") != "data":
                     raise InvalidArgument("a put carries one header, first, then only bytes")
                 yield message.data
 
-        blob, created = self.content.put(data(), expected)
-        return pb.PutResponse(blob=_blob(blob), created=created)
+        return self.content.put(data(), expected)
 
     @streaming
-    def Get(
-        self, request: pb.GetRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.GetResponse]:
+    def Get(self, request: pb.GetRequest, context: Any) -> Iterator[pb.GetResponse]:
         digest = Digest.parse(request.digest)
         length = request.length if request.HasField("length") else None
         blob, length, chunks = self.content.read(digest, request.offset, length)
@@ -152,7 +200,7 @@ class StoreService(rpc.StoreServicer):
             )
 
     @unary
-    def Stat(self, request: pb.StatRequest, context: grpc.ServicerContext) -> pb.StatResponse:
+    def Stat(self, request: pb.StatRequest) -> pb.StatResponse:
         blob = self.content.get(Digest.parse(request.digest))
         pins = self.ledger.entries_for([str(blob.info.sha256), str(blob.info.blake3)])
         entries = sorted(
@@ -161,9 +209,7 @@ class StoreService(rpc.StoreServicer):
         return pb.StatResponse(blob=_blob(blob), pins=[_entry(e) for e in entries])
 
     @unary
-    def FindMissing(
-        self, request: pb.FindMissingRequest, context: grpc.ServicerContext
-    ) -> pb.FindMissingResponse:
+    def FindMissing(self, request: pb.FindMissingRequest) -> pb.FindMissingResponse:
         if len(request.digests) > MAX_FIND_MISSING:
             raise InvalidArgument(
                 f"too many digests: {len(request.digests)} (at most {MAX_FIND_MISSING} a call)"
@@ -172,13 +218,11 @@ class StoreService(rpc.StoreServicer):
 
     @streaming
     def VerifyBlobs(
-        self, request: pb.VerifyBlobsRequest, context: grpc.ServicerContext
+        self, request: pb.VerifyBlobsRequest, context: Any
     ) -> Iterator[pb.VerifyBlobsProgress]:
         pinned = self.content.pinned_digests()
         total_bytes = 0
         for checked, digest in enumerate(pinned, start=1):
-            if not context.is_active():
-                return
             result = self.content.check(digest)
             total_bytes += result.size
             if result.failure or checked % 100 == 0 or checked == len(pinned):
@@ -193,10 +237,11 @@ class StoreService(rpc.StoreServicer):
             yield pb.VerifyBlobsProgress(checked=0, total=0)
 
 
-class LedgerService(rpc.LedgerServicer):
+class LedgerService(_Service, rpc.LedgerServicer):
     def __init__(self, ledger: Ledger, content: Content) -> None:
         self.ledger = ledger
         self.content = content
+        self.inline = ledger.db.is_sqlite
 
     def _spec(self, request: pb.PinRequest) -> PinSpec:
         spec = PinSpec.checked(
@@ -221,22 +266,31 @@ class LedgerService(rpc.LedgerServicer):
             raise InvalidArgument("the same blob is named twice (by sha256 and blake3)")
         return PinSpec(spec.kind, tuple(subjects), spec.author, spec.meta, spec.external)
 
-    @unary
-    def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
-        (entry,) = self.ledger.append([self._spec(request)])
-        return pb.PinResponse(entry=_entry(entry))
-
-    @unary
-    def PinBatch(
-        self, request: pb.PinBatchRequest, context: grpc.ServicerContext
-    ) -> pb.PinBatchResponse:
+    def _specs(self, pins: Sequence[pb.PinRequest]) -> list[PinSpec]:
         specs = []
-        for number, pin in enumerate(request.pins):
+        for number, pin in enumerate(pins):
             try:
                 specs.append(self._spec(pin))
             except VaultError as exc:
+                if len(pins) == 1:
+                    raise
                 raise type(exc)(f"pin {number}: {exc}") from None
-        return pb.PinBatchResponse(entries=[_entry(e) for e in self.ledger.append(specs)])
+        return specs
+
+    async def _append(self, pins: Sequence[pb.PinRequest]) -> list[StoredEntry]:
+        specs = await self.call(self._specs, pins)
+        # Waits for the group commit without holding a thread.
+        return await asyncio.wrap_future(self.ledger.submit(specs))
+
+    @unary_async
+    async def Pin(self, request: pb.PinRequest) -> pb.PinResponse:
+        (entry,) = await self._append([request])
+        return pb.PinResponse(entry=_entry(entry))
+
+    @unary_async
+    async def PinBatch(self, request: pb.PinBatchRequest) -> pb.PinBatchResponse:
+        entries = await self._append(request.pins)
+        return pb.PinBatchResponse(entries=[_entry(e) for e in entries])
 
     def _lookup_keys(self, text: str) -> list[str]:
         """Pins name stored blobs by sha256; a blake3 alias is resolved through the catalog."""
@@ -268,7 +322,7 @@ class LedgerService(rpc.LedgerServicer):
         return proven, signed, consistency
 
     @unary
-    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+    def Lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
         keys = self._lookup_keys(request.digest)
         found = self.ledger.entries_for(keys)
         entries = sorted(
@@ -282,9 +336,7 @@ class LedgerService(rpc.LedgerServicer):
         )
 
     @unary
-    def LookupBatch(
-        self, request: pb.LookupBatchRequest, context: grpc.ServicerContext
-    ) -> pb.LookupBatchResponse:
+    def LookupBatch(self, request: pb.LookupBatchRequest) -> pb.LookupBatchResponse:
         if len(request.digests) > MAX_LOOKUP_BATCH:
             raise InvalidArgument(
                 f"too many digests: {len(request.digests)} (at most {MAX_LOOKUP_BATCH} a call)"
@@ -307,7 +359,7 @@ class LedgerService(rpc.LedgerServicer):
         )
 
     @unary
-    def Log(self, request: pb.LogRequest, context: grpc.ServicerContext) -> pb.LogResponse:
+    def Log(self, request: pb.LogRequest) -> pb.LogResponse:
         limit = min(request.limit or 100, MAX_LOG_PAGE)
         where = LogFilter(
             kind=request.kind or None,
@@ -324,15 +376,11 @@ class LedgerService(rpc.LedgerServicer):
         )
 
     @unary
-    def GetCheckpoint(
-        self, request: pb.GetCheckpointRequest, context: grpc.ServicerContext
-    ) -> pb.Checkpoint:
+    def GetCheckpoint(self, request: pb.GetCheckpointRequest) -> pb.Checkpoint:
         return _checkpoint(self.ledger.checkpoint(self.ledger.sync()))
 
     @unary
-    def GetInclusionProof(
-        self, request: pb.InclusionProofRequest, context: grpc.ServicerContext
-    ) -> pb.InclusionProof:
+    def GetInclusionProof(self, request: pb.InclusionProofRequest) -> pb.InclusionProof:
         signed = self.ledger.checkpoint(max(request.index + 1, request.size))
         size = request.size or signed.size
         return pb.InclusionProof(
@@ -344,9 +392,7 @@ class LedgerService(rpc.LedgerServicer):
         )
 
     @unary
-    def GetConsistencyProof(
-        self, request: pb.ConsistencyProofRequest, context: grpc.ServicerContext
-    ) -> pb.ConsistencyProof:
+    def GetConsistencyProof(self, request: pb.ConsistencyProofRequest) -> pb.ConsistencyProof:
         new_size = request.new_size or self.ledger.checkpoint().size
         return pb.ConsistencyProof(
             old_size=request.old_size,
@@ -355,14 +401,12 @@ class LedgerService(rpc.LedgerServicer):
         )
 
     @unary
-    def GetVerifierKey(
-        self, request: pb.VerifierKeyRequest, context: grpc.ServicerContext
-    ) -> pb.VerifierKey:
+    def GetVerifierKey(self, request: pb.VerifierKeyRequest) -> pb.VerifierKey:
         return pb.VerifierKey(key=str(self.ledger.verifier), origin=self.ledger.origin)
 
     @streaming
     def ReadEntries(
-        self, request: pb.ReadEntriesRequest, context: grpc.ServicerContext
+        self, request: pb.ReadEntriesRequest, context: Any
     ) -> Iterator[pb.StoredEntries]:
         head = self.ledger.head_size()
         sent_head = False
@@ -389,7 +433,7 @@ class LedgerService(rpc.LedgerServicer):
 
     @streaming
     def ReadCheckpoints(
-        self, request: pb.ReadCheckpointsRequest, context: grpc.ServicerContext
+        self, request: pb.ReadCheckpointsRequest, context: Any
     ) -> Iterator[pb.StoredCheckpoints]:
         for notes in self.ledger.stored_checkpoints():
             yield pb.StoredCheckpoints(notes=notes)
@@ -402,21 +446,19 @@ SERVER_OPTIONS: Final = [
 ]
 
 
-def build_server(
-    ledger: Ledger, content: Content, listen: str, *, max_workers: int = 32
-) -> tuple[grpc.Server, str]:
-    """A gRPC server with the vault's services, health and reflection; returns it and where it
-    listens (the real port when `listen` asked for port 0)."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-        options=SERVER_OPTIONS,
-    )
+async def build_server(
+    ledger: Ledger, content: Content, listen: str
+) -> tuple[grpc.aio.Server, str]:
+    """An asyncio gRPC server with the vault's services, health and reflection; returns it and
+    where it listens (the real port when `listen` asked for port 0); `await server.start()`
+    next."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     rpc.add_StoreServicer_to_server(StoreService(content, ledger), server)
     rpc.add_LedgerServicer_to_server(LedgerService(ledger, content), server)
-    health_servicer = health.HealthServicer()
+    health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", "pinvault.v1.Store", "pinvault.v1.Ledger"):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
         (
             pb.DESCRIPTOR.services_by_name["Store"].full_name,
@@ -428,11 +470,8 @@ def build_server(
     )
     if listen.startswith("unix:"):
         server.add_insecure_port(listen)
-        address = listen
-    else:
-        port = server.add_insecure_port(listen)
-        if port == 0:
-            raise Unavailable(f"cannot listen on {listen}")
-        host = listen.rsplit(":", 1)[0]
-        address = f"{host}:{port}"
-    return server, address
+        return server, listen
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise Unavailable(f"cannot listen on {listen}")
+    return server, f"{listen.rsplit(':', 1)[0]}:{port}"

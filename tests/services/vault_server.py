@@ -73,14 +73,17 @@ class VaultRun:
         assert self.returncode == 0, self.describe()
         return self
 
-    def error_line(self) -> str:
-        """The one line of error a failed command prints, after checking that it failed with
-        exactly one line and no traceback."""
+    def error_line(self, *, alone: bool = True) -> str:
+        """The line of error a failed command prints last, after checking that it failed with
+        no traceback and, if `alone`, printed nothing else (a server that got as far as
+        logging may have logged before it failed)."""
         assert self.returncode != 0, self.describe()
+        assert "Traceback" not in self.stderr, self.describe()
         lines = self.stderr.splitlines()
-        assert len(lines) == 1, f"expected one line of error\n{self.describe()}"
-        assert "Traceback" not in self.stderr
-        return lines[0]
+        if alone:
+            assert len(lines) == 1, f"expected one line of error\n{self.describe()}"
+        assert lines and lines[-1].startswith("vault: "), self.describe()
+        return lines[-1]
 
     def describe(self) -> str:
         return (
