@@ -50,7 +50,7 @@ def connect(url: str) -> Database:
 def serve(config: Config, listen: str | None = None) -> int:
     config.data_path.mkdir(parents=True, exist_ok=True)
     key = load_or_create_key(config)
-    db = open_database(config.database_url)
+    db = connect(config.database_url)
     ledger = Ledger(
         db, key, origin=config.origin, checkpoint_interval=config.ledger.checkpoint_interval
     )
@@ -78,6 +78,12 @@ async def _serve(config: Config, ledger: Ledger, content: Content, listen: str) 
         f"checkpoint key {ledger.verifier}",
         flush=True,
     )
+    if ledger.fault is not None:
+        print(
+            f"  WARNING: the stored ledger fails its check ({ledger.fault}); appends and proofs "
+            "past that point are refused until it is repaired: run `vault verify`",
+            flush=True,
+        )
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)

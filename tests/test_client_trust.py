@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import StartVault
 from tests.services.vault_server import VaultServer, run_vault
-from vault.checkpoint import SigningKey
+from vault.checkpoint import SigningKey, Verifier
 from vault.client import VaultClient
 from vault.errors import RollbackError, VerificationError
 
@@ -196,6 +196,6 @@ def test_a_vault_key_other_than_the_configured_or_trusted_one_is_refused(
     server.key_path.unlink()
     server.restart()
     assert str(server.signing_key().verifier()) != real
-    label = real.rsplit("+", 1)[0]
+    label = Verifier.from_string(real).key_label
     line = server.run("lookup", blob, state_home=pinned).error_line()
     assert f"checkpoint is not signed by key {label}" in line

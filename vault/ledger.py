@@ -146,7 +146,14 @@ class Ledger:
         self._queue: queue.SimpleQueue[_Append | object] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._writer_db = Writer(db)
-        self.sync()
+        # A ledger that fails its check still starts, so that an auditor can read it and
+        # `vault verify` can say where it broke; appends and proofs past the break are refused.
+        self.fault: VerificationError | None = None
+        try:
+            self.sync()
+        except VerificationError as exc:
+            self.fault = exc
+            log.error("the stored ledger fails its check (%s); run `vault verify`", exc)
         self._latest = self._load_latest_checkpoint()
         self._writer = threading.Thread(target=self._write_loop, name="ledger-writer", daemon=True)
         self._writer.start()
@@ -349,6 +356,10 @@ class Ledger:
             try:
                 if self.sync() > (self._latest.size if self._latest else -1):
                     self.checkpoint(self._tree.size)
+            except VerificationError as exc:
+                if str(exc) != str(self.fault):
+                    log.error("the stored ledger fails its check (%s); run `vault verify`", exc)
+                self.fault = exc
             except Exception:
                 log.exception("periodic checkpoint failed")
 

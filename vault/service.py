@@ -468,10 +468,20 @@ async def build_server(
         ),
         server,
     )
-    if listen.startswith("unix:"):
-        server.add_insecure_port(listen)
-        return server, listen
-    port = server.add_insecure_port(listen)
+    host, sep, port_text = listen.rpartition(":")
+    if not listen.startswith("unix:") and not (
+        sep and host and port_text.isdigit() and int(port_text) <= 65535
+    ):
+        raise InvalidArgument(
+            f"cannot listen on {listen!r}: expected HOST:PORT with a port from 0 to 65535, "
+            "or unix:PATH"
+        )
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError:  # gRPC's way of saying the bind failed
+        port = 0
     if port == 0:
-        raise Unavailable(f"cannot listen on {listen}")
-    return server, f"{listen.rsplit(':', 1)[0]}:{port}"
+        raise Unavailable(f"cannot listen on {listen}: the address is in use or not available")
+    if listen.startswith("unix:"):
+        return server, listen
+    return server, f"{host}:{port}"
