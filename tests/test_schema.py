@@ -1,0 +1,74 @@
+"""The database schema is versioned: a new database is created at the current version, an
+older one is upgraded in place without losing rows, and a newer one is refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Connection, select, text
+
+from vault import db as tables
+from vault.checkpoint import SigningKey
+from vault.db import SCHEMA_VERSION, SchemaError, open_database
+from vault.ledger import Ledger, PinSpec
+
+
+def _pin(n: int) -> PinSpec:
+    return PinSpec.checked(
+        kind="config", subjects=[f"sha256:{n:064x}"], author="tester", external=True
+    )
+
+
+def test_a_new_database_is_created_at_the_current_version(tmp_path: Path) -> None:
+    db = open_database(f"sqlite:///{tmp_path / 'v.db'}")
+    with db.read.connect() as conn:
+        assert conn.execute(select(tables.schema_version.c.version)).scalar_one() == SCHEMA_VERSION
+    db.dispose()
+
+
+def test_a_newer_schema_is_refused_with_a_message(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'v.db'}"
+    open_database(url).dispose()
+    db = open_database(url)
+    with db.write.begin() as conn:
+        conn.execute(tables.schema_version.update().values(version=SCHEMA_VERSION + 1))
+    db.dispose()
+    with pytest.raises(SchemaError, match=f"version {SCHEMA_VERSION + 1} is newer"):
+        open_database(url)
+
+
+def test_an_upgrade_keeps_every_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upgrade step runs once, in order, and the ledger still verifies after it."""
+    url = f"sqlite:///{tmp_path / 'v.db'}"
+    key = SigningKey.generate("schema.test/ledger")
+    db = open_database(url)
+    ledger = Ledger(db, key, origin="schema.test/ledger")
+    ledger.append([_pin(n) for n in range(10)])
+    root = ledger.checkpoint(10).checkpoint.root
+    ledger.close()
+    db.dispose()
+
+    ran: list[int] = []
+
+    def add_notes_table(conn: Connection) -> None:
+        ran.append(SCHEMA_VERSION + 1)
+        conn.execute(text("CREATE TABLE operator_notes (idx BIGINT, note TEXT)"))
+
+    monkeypatch.setattr(tables, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
+    monkeypatch.setitem(tables.UPGRADES, SCHEMA_VERSION + 1, add_notes_table)
+    db = open_database(url)
+    db.dispose()
+    db = open_database(url)  # a second open runs nothing again
+    assert ran == [SCHEMA_VERSION + 1]
+    with db.read.connect() as conn:
+        assert conn.execute(select(tables.schema_version.c.version)).scalar_one() == (
+            SCHEMA_VERSION + 1
+        )
+        assert conn.execute(text("SELECT count(*) FROM entries")).scalar_one() == 10
+    ledger = Ledger(db, key, origin="schema.test/ledger")
+    assert ledger.fault is None
+    assert ledger.size == 10
+    assert ledger.checkpoint(10).checkpoint.root == root
+    ledger.close()
+    db.dispose()
