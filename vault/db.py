@@ -62,7 +62,7 @@ entry_subjects = Table(
     "entry_subjects",
     metadata,
     Column("digest", Text, nullable=False),
-    Column("idx", BigInteger, nullable=False),
+    Column("idx", BigInteger, nullable=False, index=True),
     PrimaryKeyConstraint("digest", "idx"),
 )
 

@@ -114,6 +114,11 @@ _INSERT_ENTRY: Final = (
 )
 _INSERT_SUBJECT: Final = "INSERT INTO entry_subjects (digest, idx) VALUES (?, ?)"
 _HEAD: Final = "SELECT size, last_leaf FROM ledger_head WHERE id = 1"
+_READ_ENTRIES: Final = (
+    "SELECT idx, body, leaf_hash, kind, author, time, external FROM entries "
+    "WHERE idx > ? ORDER BY idx LIMIT ?"
+)
+_READ_SUBJECTS: Final = "SELECT idx, digest FROM entry_subjects WHERE idx > ? AND idx <= ?"
 
 Query = Callable[[str, Sequence[Any]], list[tuple[Any, ...]]]
 
@@ -436,36 +441,20 @@ class Ledger:
 
     def read_raw(self, start: int = 0) -> Iterator[list[RawEntry]]:
         """Every stored entry row from `start`, in index order, in batches; no checks."""
-        e, s = tables.entries, tables.entry_subjects
         after = start - 1
         while True:
-            with self.db.read.connect() as conn:
-                rows = conn.execute(
-                    select(
-                        e.c.idx,
-                        e.c.body,
-                        e.c.leaf_hash,
-                        e.c.kind,
-                        e.c.author,
-                        e.c.time,
-                        e.c.external,
-                    )
-                    .where(e.c.idx > after)
-                    .order_by(e.c.idx)
-                    .limit(READ_BATCH)
-                ).all()
-                if not rows:
-                    return
-                subjects: dict[int, list[str]] = {}
-                for idx, digest in conn.execute(
-                    select(s.c.idx, s.c.digest).where(s.c.idx > after, s.c.idx <= rows[-1][0])
-                ):
-                    subjects.setdefault(idx, []).append(digest)
+            rows = self.db.fetch(_READ_ENTRIES, (after, READ_BATCH))
+            if not rows:
+                return
+            last = rows[-1][0]
+            subjects: dict[int, list[str]] = {}
+            for idx, digest in self.db.fetch(_READ_SUBJECTS, (after, last)):
+                subjects.setdefault(idx, []).append(digest)
             yield [
                 RawEntry(
                     idx,
-                    body,
-                    leaf,
+                    bytes(body),
+                    bytes(leaf),
                     kind,
                     author,
                     time,
@@ -474,7 +463,7 @@ class Ledger:
                 )
                 for idx, body, leaf, kind, author, time, external in rows
             ]
-            after = rows[-1][0]
+            after = last
 
     def head_size(self) -> int:
         with self.db.read.connect() as conn:
