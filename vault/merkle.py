@@ -32,6 +32,9 @@ def _largest_power_of_two_below(n: int) -> int:
     return 1 << ((n - 1).bit_length() - 1)
 
 
+_EDGE_CACHE = 4096
+
+
 class MerkleTree:
     """An append-only Merkle tree over leaf hashes, kept in memory to answer proofs quickly.
 
@@ -43,11 +46,12 @@ class MerkleTree:
     been updated, so a reader that stays within `size` sees only complete nodes.
     """
 
-    __slots__ = ("_levels", "_size")
+    __slots__ = ("_edges", "_levels", "_size")
 
     def __init__(self, leaf_hashes: Iterable[bytes] = ()) -> None:
         self._levels: list[bytearray] = [bytearray()]
         self._size = 0
+        self._edges: dict[tuple[int, int], bytes] = {}
         self.extend(leaf_hashes)
 
     @property
@@ -165,16 +169,27 @@ class MerkleTree:
         """MTH(D[start:end]) for a range that is a node of the tree: `start` is a multiple of
         the smallest power of two >= end - start, so the range splits into stored perfect
         subtrees whose sizes are the set bits of its length, largest first."""
-        parts: list[bytes] = []
         length = end - start
+        if not length & (length - 1):
+            return self._node(length.bit_length() - 1, start >> (length.bit_length() - 1))
+        # A range's root never changes once its leaves exist, and proofs against one tree size
+        # share the same few right-edge ranges: remember them.
+        cached = self._edges.get((start, end))
+        if cached is not None:
+            return cached
+        parts: list[bytes] = []
+        position = start
         while length:
             level = length.bit_length() - 1
-            parts.append(self._node(level, start >> level))
-            start += 1 << level
+            parts.append(self._node(level, position >> level))
+            position += 1 << level
             length -= 1 << level
         node = parts.pop()
         while parts:
             node = _sha256(_NODE_PREFIX + parts.pop() + node).digest()
+        if len(self._edges) >= _EDGE_CACHE:
+            self._edges.clear()
+        self._edges[(start, end)] = node
         return node
 
 
