@@ -33,6 +33,8 @@ class LedgerConfig:
     # Ed25519 signing key; empty means checkpoint.key in the data folder (created on first start).
     key_file: str = ""
     checkpoint_interval: float = 1.0
+    # How long the appender lingers, when appends are concurrent, so that more share a sync.
+    commit_window: float = 0.002
 
 
 @dataclass(frozen=True)

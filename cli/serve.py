@@ -52,7 +52,11 @@ def serve(config: Config, listen: str | None = None) -> int:
     key = load_or_create_key(config)
     db = connect(config.database_url)
     ledger = Ledger(
-        db, key, origin=config.origin, checkpoint_interval=config.ledger.checkpoint_interval
+        db,
+        key,
+        origin=config.origin,
+        checkpoint_interval=config.ledger.checkpoint_interval,
+        commit_window=config.ledger.commit_window,
     )
     content = Content(db, HotTier(config.hot_path))
     try:

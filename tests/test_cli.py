@@ -8,10 +8,13 @@ import base64
 import getpass
 import hashlib
 import json
+import os
+import pty
 import random
 import re
 import socket
 import subprocess
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,7 +27,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from tests.services.vault_server import VaultServer
+from tests.services.vault_server import VAULT_COMMAND, VaultServer, command_env
 from vault.checkpoint import Verifier
 from vault.entry import KINDS, Entry
 from vault.errors import IntegrityError, VerificationError
@@ -655,3 +658,43 @@ def test_verify_passes_on_a_good_ledger_and_checks_every_pinned_blob(
     pinned = {s for e in entries if not e["external"] for s in e["subjects"]}
     run = vault_server.run("verify", "--blobs").ok()
     assert f"blobs: {len(pinned)} pinned blobs checked, 0 failed" in run.stdout
+
+
+def read_terminal(terminal: int) -> str:
+    """Everything written to a pseudo-terminal whose other side is closed."""
+    shown = b""
+    try:
+        while data := os.read(terminal, 4096):
+            shown += data
+    except OSError:  # EIO: the other side is closed and everything was read
+        pass
+    finally:
+        os.close(terminal)
+    return shown.decode(errors="replace")
+
+
+def test_verify_reports_progress_on_a_terminal(vault_server: VaultServer, tmp_path: Path) -> None:
+    size = ledger_size(vault_server)
+    env = command_env(state_home=tmp_path, extra={"PINVAULT_CLIENT_SERVER": vault_server.address})
+    terminal, child_side = pty.openpty()
+    shown: list[str] = []
+    # Read while the command runs, so that it never waits on a full terminal buffer.
+    reader = threading.Thread(target=lambda: shown.append(read_terminal(terminal)))
+    reader.start()
+    try:
+        result = subprocess.run(
+            [*VAULT_COMMAND, "verify", "--blobs"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=child_side,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(child_side)
+        reader.join(30)
+    (text,) = shown
+    assert result.returncode == 0, text
+    assert f"verify ledger {size:,} entries" in text, text
+    assert "verify blobs" in text, text

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -139,6 +140,7 @@ class Ledger:
         *,
         origin: str,
         checkpoint_interval: float = 1.0,
+        commit_window: float = 0.002,
     ) -> None:
         self.db = db
         self.key = key
@@ -150,6 +152,7 @@ class Ledger:
         self._latest: SignedCheckpoint | None = None
         self._queue: queue.SimpleQueue[_Append | object] = queue.SimpleQueue()
         self._closed = threading.Event()
+        self._commit_window = commit_window
         self._writer_db = Writer(db)
         # A ledger that fails its check still starts, so that an auditor can read it and
         # `vault verify` can say where it broke; appends and proofs past the break are refused.
@@ -190,6 +193,7 @@ class Ledger:
         return request.future
 
     def _write_loop(self) -> None:
+        concurrent = False
         while True:
             first = self._queue.get()
             if first is _STOP:
@@ -197,9 +201,12 @@ class Ledger:
             batch: list[_Append] = [first]  # type: ignore[list-item]
             count = len(batch[0].pins)
             stop = False
+            # When appenders are concurrent, linger a moment so more of them share this sync;
+            # a lone appender never waits.
+            deadline = time.monotonic() + (self._commit_window if concurrent else 0.0)
             while count < MAX_BATCH:
                 try:
-                    more = self._queue.get_nowait()
+                    more = self._queue.get(timeout=max(deadline - time.monotonic(), 0.0))
                 except queue.Empty:
                     break
                 if more is _STOP:
@@ -208,6 +215,7 @@ class Ledger:
                 assert isinstance(more, _Append)
                 batch.append(more)
                 count += len(more.pins)
+            concurrent = len(batch) > 1
             try:
                 results = self._commit(batch)
             except BaseException as exc:  # every waiter must hear of the failure
@@ -237,7 +245,7 @@ class Ledger:
             ((size, last),) = tx.all(_HEAD + ("" if self.db.is_sqlite else " FOR UPDATE"))
             last = bytes(last)
             self._catch_up(tx.all, size, last)
-            time = now()
+            stamp = now()
             rows: list[tuple[object, ...]] = []
             subject_rows: list[tuple[str, int]] = []
             leaves: list[bytes] = []
@@ -251,13 +259,13 @@ class Ledger:
                         kind=pin.kind,
                         subjects=pin.subjects,
                         author=pin.author,
-                        time=time,
+                        time=stamp,
                         prev=prev,
                         meta=pin.meta,
                         external=pin.external,
                     ).encode()
                     prev = leaf_hash(body)
-                    rows.append((size, body, prev, pin.kind, pin.author, time, pin.external))
+                    rows.append((size, body, prev, pin.kind, pin.author, stamp, pin.external))
                     subject_rows.extend((s, size) for s in pin.subjects)
                     leaves.append(prev)
                     stored.append(StoredEntry(size, body))
