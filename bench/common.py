@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Servers stopped while a benchmark's channel is still open are expected, not news.
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
 @dataclass

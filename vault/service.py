@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, Final, NoReturn, TypeVar
 
@@ -110,20 +111,54 @@ def unary_async(method: Callable[..., Awaitable[Any]]) -> Handler:
 
 
 _END = object()
+_AHEAD = 4
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
 def streaming(method: Callable[..., Iterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-    """An asyncio server-streaming handler from a plain generator method; each message is
-    produced on a worker thread, since producing it reads disks or databases."""
+    """An asyncio server-streaming handler from a plain generator method. The generator runs on
+    a worker thread (it reads disks or databases) up to a few messages ahead of the network,
+    so reading the next chunk overlaps with sending this one."""
 
     @functools.wraps(method)
     async def wrapper(self: _Service, request: Any, context: Any) -> AsyncIterator[Any]:
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Queue[Any] = asyncio.Queue(maxsize=_AHEAD)
+        stopped = threading.Event()
+
+        def hand_over(item: Any) -> None:
+            asyncio.run_coroutine_threadsafe(ready.put(item), loop).result()
+
+        def produce() -> None:
+            try:
+                for message in method(self, request, context):
+                    if stopped.is_set():
+                        return
+                    hand_over(message)
+                hand_over(_END)
+            except BaseException as exc:  # handed to the handler, which reports it
+                if not stopped.is_set():
+                    hand_over(_Failed(exc))
+
+        producer = loop.run_in_executor(None, produce)
         try:
-            messages = method(self, request, context)
-            while (message := await asyncio.to_thread(next, messages, _END)) is not _END:
+            while (message := await ready.get()) is not _END:
+                if isinstance(message, _Failed):
+                    raise message.error
                 yield message
         except Exception as exc:
             await _abort(context, exc)
+        finally:
+            # The caller went away or the stream ended: let a blocked producer finish.
+            stopped.set()
+            while not producer.done():
+                while not ready.empty():
+                    ready.get_nowait()
+                await asyncio.sleep(0.001)
 
     return wrapper
 
