@@ -1,5 +1,6 @@
 """Fixtures shared by every test: a clean environment, a real PostgreSQL started once per test
-run on a private Unix socket, and real `vault serve` processes on port 0."""
+run on a private Unix socket, real S3 servers (MinIO, versitygw) started once per test run on
+127.0.0.1, and real `vault serve` processes on port 0."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from sqlalchemy import make_url
 
 from tests.services.postgres import PostgresServer
+from tests.services.s3 import SERVERS, MinioServer, S3Endpoint, VersityGatewayServer
 from tests.services.vault_server import VaultServer
 
 # -- environment ---------------------------------------------------------------------------
@@ -59,6 +61,32 @@ def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
     postgres_server.drop_database(database)
 
 
+# -- S3 servers ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def minio_server(clean_environment: None) -> Iterator[MinioServer]:
+    """One private MinIO for the whole run; see tests/services/s3.py."""
+    with MinioServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def versitygw_server(clean_environment: None) -> Iterator[VersityGatewayServer]:
+    """One private versitygw for the whole run; see tests/services/s3.py."""
+    with VersityGatewayServer() as server:
+        yield server
+
+
+@pytest.fixture(params=sorted(SERVERS))
+def s3_endpoint(request: pytest.FixtureRequest) -> Iterator[S3Endpoint]:
+    """A fresh, empty bucket on each S3 server in turn, deleted with its objects afterwards."""
+    server = request.getfixturevalue(f"{request.param}_server")
+    endpoint: S3Endpoint = server.create_bucket()
+    yield endpoint
+    server.delete_bucket(endpoint.bucket)
+
+
 # -- vault servers -------------------------------------------------------------------------
 
 
@@ -93,8 +121,18 @@ def start_vault(clean_environment: None, tmp_path: Path) -> Iterator[StartVault]
     assert statuses == [0] * len(started), f"vault serve exit statuses on SIGTERM: {statuses}"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "s3: runs against real S3 servers started by the test set-up"
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Lets `-m "not postgres"` leave the server unstarted.
+    # Lets `-m "not postgres"` or `-m "not s3"` leave those servers unstarted.
+    s3_fixtures = {"s3_endpoint", *(f"{name}_server" for name in SERVERS)}
     for item in items:
-        if "postgres_server" in getattr(item, "fixturenames", ()):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if "postgres_server" in fixtures:
             item.add_marker(pytest.mark.postgres)
+        if fixtures & s3_fixtures:
+            item.add_marker(pytest.mark.s3)

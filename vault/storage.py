@@ -27,7 +27,7 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 # SHA-256 is the slowest of the hashes, so BlobHasher runs it on its own thread; this bounds how
 # far the calling thread may run ahead of it (and so the memory held for it) to a few batches.
 _SHA_BATCH: Final = CHUNK_SIZE
-_SHA_QUEUE_DEPTH: Final = 8
+SHA_QUEUE_DEPTH: Final = 8
 # Many tiny pieces are joined before hashing so that each update is large enough for hashlib
 # to release the GIL.
 _SHA_MAX_PIECES: Final = 64
@@ -328,7 +328,7 @@ class BlobHasher:
         self._pending = []
         self._pending_size = 0
         if self._queue is None:
-            self._queue = queue.Queue(maxsize=_SHA_QUEUE_DEPTH)
+            self._queue = queue.Queue(maxsize=SHA_QUEUE_DEPTH)
             self._thread = threading.Thread(
                 target=self._run, args=(self._queue,), name="pinvault-sha256", daemon=True
             )
