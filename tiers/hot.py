@@ -17,6 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Final, Self
 
+from tiers.files import fsync_dir, write_all
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound
 from vault.storage import (
@@ -89,9 +90,9 @@ class HotTier:
                 (self._blobs / f"{prefix:02x}").mkdir()
                 created = True
         if created:
-            _fsync_dir(self._blobs)
-            _fsync_dir(self.root)
-            _fsync_dir(self.root.parent)
+            fsync_dir(self._blobs)
+            fsync_dir(self.root)
+            fsync_dir(self.root.parent)
         self._remove_leftovers()
         self.direct_io = self._probe_direct_io() if direct_io is None else direct_io
 
@@ -111,7 +112,7 @@ class HotTier:
             raise NotFound(f"blob {sha256} is not in the hot tier") from None
         with contextlib.suppress(FileNotFoundError):
             _chunks_path(blob).unlink()
-        _fsync_dir(blob.parent)
+        fsync_dir(blob.parent)
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -205,7 +206,7 @@ class HotTier:
     def _write_chunk_list(self, blob: Path, chunks: ChunkList) -> None:
         fd, temp = self._temp_file(CHUNKS_SUFFIX)
         try:
-            _write_all(fd, chunks.encode())
+            write_all(fd, chunks.encode())
             os.fdatasync(fd)
             os.replace(temp, _chunks_path(blob))
         except BaseException:
@@ -214,7 +215,7 @@ class HotTier:
             raise
         finally:
             os.close(fd)
-        _fsync_dir(blob.parent)
+        fsync_dir(blob.parent)
 
     def _read_chunks(self, blob: Path, chunks: ChunkList, wanted: range) -> Iterator[Chunk]:
         if not wanted:
@@ -331,7 +332,7 @@ class HotTier:
             os.link(temp.path, blob)
         except FileExistsError:
             return False
-        _fsync_dir(blob.parent)
+        fsync_dir(blob.parent)
         return True
 
 
@@ -675,18 +676,3 @@ def _check_size(chunks: ChunkList, stored_size: int) -> None:
             f"stored copy of {chunks.sha256} is damaged: it has {stored_size} bytes, "
             f"expected {chunks.size} (they differ from byte offset {min(stored_size, chunks.size)})"
         )
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    written = 0
-    while written < len(view):
-        written += os.write(fd, view[written:])
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -26,6 +26,7 @@ from typing import Final, Self, TypeVar
 import blake3
 import zstandard
 
+from tiers.files import fsync_dir, pwrite_all, write_all
 from vault.digest import Digest
 from vault.errors import FailedPrecondition, IntegrityError, NotFound, Unavailable
 from vault.storage import (
@@ -200,8 +201,8 @@ class WarmTier:
                 folder.mkdir(parents=True, exist_ok=True)
                 created = True
         if created:
-            _fsync_dir(self.root)
-            _fsync_dir(self.root.parent)
+            fsync_dir(self.root)
+            fsync_dir(self.root.parent)
         self._lock_fd = _lock(self.root / "lock")
         self._closed = False
         self._write_lock = threading.Lock()
@@ -642,7 +643,7 @@ class WarmTier:
         try:
             if group:
                 assert pack is not None
-                _pwrite_all(pack.fd, b"".join(put.record for put in group), start)
+                pwrite_all(pack.fd, b"".join(put.record for put in group), start)
                 os.fdatasync(pack.fd)
             packs = []
             for put in large:
@@ -656,7 +657,7 @@ class WarmTier:
                 rows.append(put.row(number, 0, put.length))
                 packs.append((number, put.length))
             if moved:
-                _fsync_dir(self._archive)
+                fsync_dir(self._archive)
             with self._transaction() as db:
                 db.executemany(_INSERT, rows)
                 if group:
@@ -684,7 +685,7 @@ class WarmTier:
         path = self._pack_path(number)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _fsync_dir(self._archive)
+            fsync_dir(self._archive)
             with self._transaction() as db:
                 db.execute("INSERT INTO packs (number, size, sealed) VALUES (?, 0, 0)", (number,))
         except BaseException:
@@ -770,7 +771,7 @@ class WarmTier:
             log.warning("removing %s: no acknowledged blob is in it", self._pack_path(number))
             os.unlink(self._pack_path(number))
         if orphans:
-            _fsync_dir(self._archive)
+            fsync_dir(self._archive)
         self._next_pack = max((*packs, *on_disk), default=0) + 1
         unsealed = [number for number, (_, sealed) in packs.items() if not sealed]
         for number in unsealed:
@@ -906,7 +907,7 @@ class _LargeRecord:
     def add(self, chunk: bytes) -> None:
         self._hasher.update(chunk)
         frame, compressed = self._tier._deflate(chunk)
-        _write_all(self._fd, frame)
+        write_all(self._fd, frame)
         self._entries.append(len(frame) | (_ZSTD if compressed else 0))
         self._payload += len(frame)
         self._compressed |= compressed
@@ -918,7 +919,7 @@ class _LargeRecord:
         if expected is not None:
             check_expected(expected, chunks.info)
         trailer = _trailer(self._entries, self._payload, chunks.sha256.raw)
-        _write_all(self._fd, trailer)
+        write_all(self._fd, trailer)
         os.fchmod(self._fd, 0o444)
         os.fsync(self._fd)
         self._close()
@@ -1092,25 +1093,3 @@ def _lock(path: Path) -> int:
             f"the warm tier at {path.parent} is already open (another WarmTier holds {path})"
         ) from None
     return fd
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    written = 0
-    while written < len(view):
-        written += os.pwrite(fd, view[written:], offset + written)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    written = 0
-    while written < len(view):
-        written += os.write(fd, view[written:])
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

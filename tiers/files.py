@@ -1,0 +1,29 @@
+"""Durable-file helpers the local tiers share: complete writes and folder syncs (a rename or a
+new file is durable only once its folder is synced)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    written = 0
+    while written < len(view):
+        written += os.write(fd, view[written:])
+
+
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    written = 0
+    while written < len(view):
+        written += os.pwrite(fd, view[written:], offset + written)
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
