@@ -13,7 +13,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from vault import db as tables
 from vault.db import Database
-from vault.digest import Digest
+from vault.digest import Digest, check_digest
 from vault.errors import IntegrityError, InvalidArgument, NotFound, VaultError
 from vault.storage import BlobInfo, BlobStore, Chunk
 
@@ -86,7 +86,7 @@ class Content:
         """The digests (as given) that the store does not hold, in the order given."""
         wanted = list(digests)
         for d in wanted:
-            Digest.parse(d)
+            check_digest(d)
         present: set[str] = set()
         unique = list(dict.fromkeys(wanted))
         for start in range(0, len(unique), _QUERY_BATCH):

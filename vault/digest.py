@@ -15,6 +15,15 @@ from vault.errors import InvalidArgument
 ALGORITHMS: Final = ("sha256", "blake3")
 HEX_LENGTH: Final = 64
 _HEX = re.compile(r"[0-9a-f]{64}")
+_DIGEST = re.compile(r"(?:sha256|blake3):[0-9a-f]{64}")
+
+
+def check_digest(text: str) -> str:
+    """`text` itself if it is a well-formed digest (the fast path of pins and look-ups), else
+    the InvalidArgument that `Digest.parse` explains."""
+    if isinstance(text, str) and _DIGEST.fullmatch(text):
+        return text
+    return str(Digest.parse(text))
 
 
 @dataclass(frozen=True, slots=True)

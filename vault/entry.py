@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from vault.digest import Digest
+from vault.digest import check_digest
 from vault.errors import InvalidArgument, VerificationError
 
 FORMAT_VERSION: Final = 1
@@ -129,7 +129,7 @@ def check_subjects(subjects: Sequence[str]) -> tuple[str, ...]:
         raise InvalidArgument("an entry needs at least one subject digest")
     if len(subjects) > MAX_SUBJECTS:
         raise InvalidArgument(f"too many subjects: {len(subjects)} (at most {MAX_SUBJECTS})")
-    return tuple(str(Digest.parse(s)) for s in subjects)
+    return tuple(map(check_digest, subjects))
 
 
 def check_author(author: str) -> str:
@@ -142,6 +142,8 @@ def check_author(author: str) -> str:
 
 def check_meta(meta: Mapping[str, str]) -> dict[str, str]:
     """Bounded metadata: ASCII keys, UTF-8 values, limits that name what broke them."""
+    if not meta:
+        return {}
     if len(meta) > MAX_META_KEYS:
         raise InvalidArgument(f"too many metadata keys: {len(meta)} (at most {MAX_META_KEYS})")
     total = 0

@@ -16,7 +16,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from vault.content import Content, StoredBlob
-from vault.digest import Digest
+from vault.digest import Digest, check_digest
 from vault.errors import (
     FailedPrecondition,
     IntegrityError,
@@ -329,11 +329,11 @@ class LedgerService(_Service, rpc.LedgerServicer):
 
     def _lookup_keys(self, text: str) -> list[str]:
         """Pins name stored blobs by sha256; a blake3 alias is resolved through the catalog."""
-        digest = Digest.parse(text)
-        if digest.algorithm == "sha256":
-            return [str(digest)]
-        found = self.content.find(digest)
-        return [str(digest)] if found is None else [str(digest), str(found.info.sha256)]
+        digest = check_digest(text)
+        if digest.startswith("sha256:"):
+            return [digest]
+        found = self.content.find(Digest.parse(digest))
+        return [digest] if found is None else [digest, str(found.info.sha256)]
 
     def _prove(
         self, found: list[list[StoredEntry]], known_size: int
