@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from bench.common import make_file, row, vault_server
+from vault.allocator import keep_freed_buffers
 from vault.client import VaultClient
 
 
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     size = args.size_mib << 20
+    keep_freed_buffers()  # as the `vault` command does
     with tempfile.TemporaryDirectory(prefix="pinvault-bench-") as tmp:
         source = make_file(Path(tmp) / "source.bin", size)
         out = Path(tmp) / "out.bin"

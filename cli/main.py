@@ -14,6 +14,7 @@ from typing import Any, Final, NoReturn
 from cli import config as config_module
 from cli.config import Config
 from cli.progress import Progress
+from vault.allocator import keep_freed_buffers
 from vault.client import BlobInfo, ProvenEntry, VaultClient
 from vault.digest import Digest
 from vault.entry import KINDS, Entry
@@ -441,6 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    keep_freed_buffers()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import queue
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, Final, NoReturn, TypeVar
@@ -127,11 +128,17 @@ def streaming(method: Callable[..., Iterator[Any]]) -> Callable[..., AsyncIterat
     @functools.wraps(method)
     async def wrapper(self: _Service, request: Any, context: Any) -> AsyncIterator[Any]:
         loop = asyncio.get_running_loop()
-        ready: asyncio.Queue[Any] = asyncio.Queue(maxsize=_AHEAD)
+        # Unbounded on the loop side; `room` bounds it from the producer's side. The producer
+        # never waits for the loop to take an item (a thread round trip per message would
+        # cost more than the message).
+        ready: asyncio.Queue[Any] = asyncio.Queue()
+        room = threading.Semaphore(_AHEAD)
         stopped = threading.Event()
 
         def hand_over(item: Any) -> None:
-            asyncio.run_coroutine_threadsafe(ready.put(item), loop).result()
+            room.acquire()
+            if not stopped.is_set():
+                loop.call_soon_threadsafe(ready.put_nowait, item)
 
         def produce() -> None:
             try:
@@ -141,24 +148,22 @@ def streaming(method: Callable[..., Iterator[Any]]) -> Callable[..., AsyncIterat
                     hand_over(message)
                 hand_over(_END)
             except BaseException as exc:  # handed to the handler, which reports it
-                if not stopped.is_set():
-                    hand_over(_Failed(exc))
+                hand_over(_Failed(exc))
 
         producer = loop.run_in_executor(None, produce)
         try:
             while (message := await ready.get()) is not _END:
+                room.release()
                 if isinstance(message, _Failed):
                     raise message.error
                 yield message
         except Exception as exc:
             await _abort(context, exc)
         finally:
-            # The caller went away or the stream ended: let a blocked producer finish.
+            # The caller went away or the stream ended: wake a producer waiting for room.
             stopped.set()
-            while not producer.done():
-                while not ready.empty():
-                    ready.get_nowait()
-                await asyncio.sleep(0.001)
+            room.release()
+            await producer
 
     return wrapper
 
@@ -185,18 +190,41 @@ class StoreService(_Service, rpc.StoreServicer):
         self.inline = content.db.is_sqlite
 
     async def Put(self, requests: AsyncIterator[pb.PutRequest], context: Any) -> pb.PutResponse:
+        loop = asyncio.get_running_loop()
+        # The loop reads ahead into `inbox` while a worker thread stores; `room` bounds how far,
+        # and the thread never waits on the loop per message.
+        inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        room = asyncio.Semaphore(_AHEAD)
+
+        async def pump() -> None:
+            try:
+                while True:
+                    await room.acquire()
+                    message = await context.read()
+                    if message is grpc.aio.EOF:
+                        inbox.put(None)
+                        return
+                    inbox.put(message)
+            except BaseException as exc:  # the storing thread reports it
+                inbox.put(_Failed(exc))
+                raise
+
+        def receive() -> pb.PutRequest | None:
+            item = inbox.get()
+            loop.call_soon_threadsafe(room.release)
+            if isinstance(item, _Failed):
+                raise item.error
+            message: pb.PutRequest | None = item
+            return message
+
+        reader = asyncio.ensure_future(pump())
         try:
-            loop = asyncio.get_running_loop()
-
-            def receive() -> pb.PutRequest | None:
-                """The next message, fetched from the event loop by the storing thread."""
-                message = asyncio.run_coroutine_threadsafe(context.read(), loop).result()
-                return None if message is grpc.aio.EOF else message
-
             blob, created = await asyncio.to_thread(self._put, receive)
             return pb.PutResponse(blob=_blob(blob), created=created)
         except Exception as exc:
             await _abort(context, exc)
+        finally:
+            reader.cancel()
 
     def _put(self, receive: Callable[[], pb.PutRequest | None]) -> tuple[StoredBlob, bool]:
         first = receive()
