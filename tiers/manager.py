@@ -1,0 +1,521 @@
+"""The tier manager: one BlobStore over an ordered list of tiers that checks every copy it reads,
+serves a read on from a good copy when one is damaged, rewrites the damaged copy and journals it."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+from vault.digest import Digest
+from vault.errors import IntegrityError, InvalidArgument, NotFound, VaultError
+from vault.storage import (
+    CHUNK_SIZE,
+    BlobInfo,
+    BlobStore,
+    BlobWriter,
+    Chunk,
+    ChunkList,
+    require_sha256,
+)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS journal (
+    id INTEGER PRIMARY KEY,
+    time REAL NOT NULL,
+    digest TEXT NOT NULL,
+    tier TEXT NOT NULL,
+    chunk_offset INTEGER,
+    found TEXT NOT NULL,
+    action TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS placements (
+    digest TEXT NOT NULL,
+    tier TEXT NOT NULL,
+    PRIMARY KEY (digest, tier)
+) WITHOUT ROWID;
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Repair:
+    """One journal record: a damaged or missing copy, and what was done about it."""
+
+    time: float
+    digest: Digest
+    tier: str
+    offset: int | None
+    found: str
+    action: str
+
+
+@dataclass(slots=True)
+class RepairStats:
+    """Counts since the manager was opened: copies found damaged or missing, copies rewritten
+    from a good one, copies with no good copy anywhere, and rewrites that failed."""
+
+    faults: int = 0
+    repaired: int = 0
+    unrepairable: int = 0
+    failed_rewrites: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ScrubReport:
+    checked: int
+    faults: int
+    repaired: int
+    unrepairable: int
+
+
+@dataclass(slots=True)
+class _Fault:
+    tier: int
+    offset: int | None
+    found: str
+
+
+@dataclass(slots=True)
+class _Outcome:
+    info: BlobInfo | None = None
+    faults: list[_Fault] = field(default_factory=list)
+    repaired: int = 0
+
+
+class Journal:
+    """Repairs and placements in one SQLite file; each record is durable (synchronous=FULL)
+    before the action it announces is taken."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode = WAL")
+        self._db.execute("PRAGMA synchronous = FULL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def record(
+        self, digest: Digest, tier: str, offset: int | None, found: str, action: str
+    ) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO journal (time, digest, tier, chunk_offset, found, action) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (time.time(), str(digest), tier, offset, found, action),
+            )
+
+    def records(self, digest: Digest | None = None) -> list[Repair]:
+        query = "SELECT time, digest, tier, chunk_offset, found, action FROM journal"
+        arguments: tuple[str, ...] = ()
+        if digest is not None:
+            query += " WHERE digest = ?"
+            arguments = (str(digest),)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY id", arguments).fetchall()
+        return [Repair(row[0], Digest.parse(row[1]), *row[2:]) for row in rows]
+
+    def place(self, digest: Digest, tier: str) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR IGNORE INTO placements (digest, tier) VALUES (?, ?)", (str(digest), tier)
+            )
+
+    def unplace(self, digest: Digest) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM placements WHERE digest = ?", (str(digest),))
+
+    def placed(self, digest: Digest) -> set[str]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT tier FROM placements WHERE digest = ?", (str(digest),)
+            ).fetchall()
+        return {row[0] for row in rows}
+
+    def placed_digests(self) -> Iterator[Digest]:
+        with self._lock:
+            rows = self._db.execute("SELECT DISTINCT digest FROM placements").fetchall()
+        for (text,) in rows:
+            yield Digest.parse(text)
+
+
+class TierManager:
+    """A BlobStore over named tiers, first tier first. Writes go to the first tier; a read is
+    served by the first tier holding a copy, and when that copy fails its check (or vanishes)
+    the same read goes on, from the exact chunk that failed, out of a good copy elsewhere,
+    after the damaged copy has been rewritten from it.
+
+    A damaged copy is deleted only once another tier's copy has passed a full verify, so a
+    blob never loses its last copy, even a damaged one, to a repair. The journal also keeps
+    the placements this manager has made or seen verified, so that a copy missing from a tier
+    that should hold it counts as a fault rather than as "never there".
+    """
+
+    def __init__(self, tiers: Sequence[tuple[str, BlobStore]], *, journal: Path) -> None:
+        if not tiers:
+            raise InvalidArgument("a tier manager needs at least one tier")
+        names = [name for name, _ in tiers]
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"tier names must differ, found {names}")
+        self.names = names
+        self.tiers = [tier for _, tier in tiers]
+        self.journal = Journal(journal)
+        self.stats = RepairStats()
+        self._stats_lock = threading.Lock()
+        # Two reads finding the same damage must not both delete and rewrite the copy.
+        self._repair_lock = threading.RLock()
+
+    def close(self) -> None:
+        self.journal.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- the BlobStore protocol --------------------------------------------------------------
+
+    def writer(self) -> BlobWriter:
+        return _PlacingWriter(
+            self.tiers[0].writer(), lambda digest: self.journal.place(digest, self.names[0])
+        )
+
+    def info(self, sha256: Digest) -> BlobInfo | None:
+        damage: IntegrityError | None = None
+        for tier in self.tiers:
+            try:
+                found = tier.info(sha256)
+            except IntegrityError as error:
+                damage = damage or error
+                continue
+            if found is not None:
+                return found
+        if damage is not None:
+            raise damage
+        return None
+
+    def find_missing(self, digests: Iterable[Digest]) -> list[Digest]:
+        missing = list(dict.fromkeys(digests))
+        for tier in self.tiers:
+            if not missing:
+                break
+            missing = tier.find_missing(missing)
+        return missing
+
+    def chunk_list(self, sha256: Digest) -> ChunkList:
+        damage: IntegrityError | None = None
+        for tier in self.tiers:
+            try:
+                return tier.chunk_list(sha256)
+            except NotFound:
+                continue
+            except IntegrityError as error:
+                damage = damage or error
+        if damage is not None:
+            raise damage
+        raise NotFound(f"blob {sha256} is on no tier")
+
+    def digests(self) -> Iterator[Digest]:
+        seen: set[Digest] = set()
+        for tier in self.tiers:
+            for digest in tier.digests():
+                if digest not in seen:
+                    seen.add(digest)
+                    yield digest
+
+    def delete(self, sha256: Digest) -> None:
+        require_sha256(sha256)
+        removed = False
+        for tier in self.tiers:
+            try:
+                tier.delete(sha256)
+                removed = True
+            except NotFound:
+                pass
+        self.journal.unplace(sha256)
+        if not removed:
+            raise NotFound(f"blob {sha256} is on no tier")
+
+    def read(self, sha256: Digest, offset: int = 0, length: int | None = None) -> Iterator[Chunk]:
+        require_sha256(sha256)
+        # Every tier cuts blobs into chunks of CHUNK_SIZE, so this is where the first chunk of
+        # the range starts whichever copy serves it.
+        first = offset - offset % CHUNK_SIZE if offset >= 0 else offset
+        faults: list[_Fault] = []
+        chosen: tuple[int, Iterator[Chunk]] | None = None
+        placed = self.journal.placed(sha256)
+        for index, tier in enumerate(self.tiers):
+            try:
+                chosen = index, tier.read(sha256, offset, length)
+                break
+            except NotFound as error:
+                if self.names[index] in placed:
+                    faults.append(_Fault(index, first, f"missing: {error}"))
+            except IntegrityError as error:
+                faults.append(_Fault(index, first, str(error)))
+        if faults:
+            source = self._recover(sha256, faults, excluded=set())
+            chosen = source, self.tiers[source].read(sha256, offset, length)
+        if chosen is None:
+            raise NotFound(f"blob {sha256} is on no tier")
+        return self._serve(sha256, offset, length, *chosen)
+
+    def verify(self, sha256: Digest) -> BlobInfo:
+        """Verify every copy on every tier and rewrite each damaged or missing one from a good
+        one: IntegrityError if no tier has a good copy, NotFound if no tier has any."""
+        outcome = self._check(sha256)
+        if outcome.info is None:
+            if not outcome.faults:
+                raise NotFound(f"blob {sha256} is on no tier")
+            raise _data_loss(sha256, self.names, outcome.faults)
+        return outcome.info
+
+    # -- beyond the protocol -----------------------------------------------------------------
+
+    def scrub(self, progress: Callable[[Digest], None] | None = None) -> ScrubReport:
+        """Verify (and repair) every blob on every tier, and every blob this manager placed."""
+        checked = faults = repaired = unrepairable = 0
+        for sha256 in dict.fromkeys([*self.digests(), *self.journal.placed_digests()]):
+            outcome = self._check(sha256)
+            checked += 1
+            faults += len(outcome.faults)
+            repaired += outcome.repaired
+            if outcome.info is None:
+                unrepairable += len(outcome.faults)
+            if progress is not None:
+                progress(sha256)
+        return ScrubReport(checked, faults, repaired, unrepairable)
+
+    # -- inside ------------------------------------------------------------------------------
+
+    def _serve(
+        self,
+        sha256: Digest,
+        offset: int,
+        length: int | None,
+        index: int,
+        chunks: Iterator[Chunk] | None,
+    ) -> Iterator[Chunk]:
+        """Yield chunks from `chunks`; when the copy fails, repair it and resume at the chunk
+        that failed from the good copy, so each chunk reaches the caller once."""
+        end = None if length is None else offset + length
+        resume = offset
+        served = False
+        recoveries = 0
+        excluded: set[int] = set()
+        while True:
+            try:
+                if chunks is None:
+                    chunks = self.tiers[index].read(
+                        sha256, resume, None if end is None else end - resume
+                    )
+                for chunk in chunks:
+                    yield chunk
+                    resume = chunk.offset + len(chunk.data)
+                    served = True
+                return
+            except (IntegrityError, NotFound) as error:
+                found = str(error) if isinstance(error, IntegrityError) else f"missing: {error}"
+                at = resume if served else resume - resume % CHUNK_SIZE
+                excluded.add(index)
+                recoveries += 1
+                if recoveries > 2 * len(self.tiers):
+                    # Copies that verify yet fail when read (a failing disk): give up rather
+                    # than go round the tiers for ever.
+                    raise IntegrityError(
+                        f"reading {sha256} failed {recoveries} times, last at byte offset "
+                        f"{at}: {found}"
+                    ) from error
+                index = self._recover(sha256, [_Fault(index, at, found)], excluded)
+                chunks = None
+                if end is not None and resume >= end and served:
+                    return
+
+    def _recover(self, sha256: Digest, faults: list[_Fault], excluded: set[int]) -> int:
+        """Rewrite every faulty copy from the first other tier whose copy verifies, and return
+        that tier; if none does, journal the loss and raise IntegrityError (DATA_LOSS)."""
+        with self._repair_lock:
+            # Another read may have found the same damage and rewritten the copy while this
+            # one waited for the lock; rewriting it again would only churn.
+            rewritten = [fault.tier for fault in faults if self._intact(fault.tier, sha256)]
+            for index in rewritten:
+                if index not in excluded:
+                    return index
+            bad = {fault.tier for fault in faults}
+            faults = [fault for fault in faults if fault.tier not in rewritten]
+            self._count(faults=len(faults))
+            placed = self.journal.placed(sha256)
+            for index, tier in enumerate(self.tiers):
+                if index in bad or index in excluded:
+                    continue
+                try:
+                    tier.verify(sha256)
+                except NotFound as error:
+                    if self.names[index] not in placed:
+                        continue
+                    fault = _Fault(index, None, f"missing: {error}")
+                except IntegrityError as error:
+                    fault = _Fault(index, self._first_bad_offset(tier, sha256), str(error))
+                else:
+                    self._rewrite_all(sha256, faults, index)
+                    return index
+                faults.append(fault)
+                bad.add(index)
+                self._count(faults=1)
+            if rewritten and not faults:
+                return rewritten[0]
+            self._record_loss(sha256, faults)
+            raise _data_loss(sha256, self.names, faults)
+
+    def _check(self, sha256: Digest) -> _Outcome:
+        require_sha256(sha256)
+        with self._repair_lock:
+            outcome = _Outcome()
+            placed = self.journal.placed(sha256)
+            good: list[int] = []
+            for index, tier in enumerate(self.tiers):
+                try:
+                    info = tier.verify(sha256)
+                except NotFound as error:
+                    if self.names[index] in placed:
+                        outcome.faults.append(_Fault(index, None, f"missing: {error}"))
+                    continue
+                except IntegrityError as error:
+                    offset = self._first_bad_offset(tier, sha256)
+                    outcome.faults.append(_Fault(index, offset, str(error)))
+                    continue
+                outcome.info = outcome.info or info
+                good.append(index)
+                self.journal.place(sha256, self.names[index])
+            self._count(faults=len(outcome.faults))
+            if not outcome.faults:
+                return outcome
+            if not good:
+                self._record_loss(sha256, outcome.faults)
+                return outcome
+            outcome.repaired = self._rewrite_all(sha256, outcome.faults, good[0])
+            return outcome
+
+    def _rewrite_all(self, sha256: Digest, faults: list[_Fault], source: int) -> int:
+        """Rewrite each faulty copy from `source`, a tier whose copy just verified."""
+        repaired = 0
+        for fault in faults:
+            target, name = self.tiers[fault.tier], self.names[fault.tier]
+            # Recorded before the damaged copy is deleted, so that a crash in between leaves
+            # a trace of the deletion.
+            self.journal.record(
+                sha256,
+                name,
+                fault.offset,
+                fault.found,
+                f"deleted the damaged copy and rewrote it from {self.names[source]}",
+            )
+            try:
+                with contextlib.suppress(NotFound):
+                    target.delete(sha256)
+                _copy(sha256, self.tiers[source], target)
+            except (VaultError, OSError) as error:
+                self.journal.record(
+                    sha256, name, fault.offset, fault.found, f"rewrite failed: {error}"
+                )
+                self._count(failed_rewrites=1)
+                continue
+            self.journal.place(sha256, name)
+            self._count(repaired=1)
+            repaired += 1
+        return repaired
+
+    def _record_loss(self, sha256: Digest, faults: list[_Fault]) -> None:
+        for fault in faults:
+            self.journal.record(
+                sha256,
+                self.names[fault.tier],
+                fault.offset,
+                fault.found,
+                "none: no tier holds a good copy (data loss)",
+            )
+        self._count(unrepairable=len(faults))
+
+    def _intact(self, index: int, sha256: Digest) -> bool:
+        try:
+            self.tiers[index].verify(sha256)
+        except (IntegrityError, NotFound):
+            return False
+        return True
+
+    def _first_bad_offset(self, tier: BlobStore, sha256: Digest) -> int | None:
+        """The byte offset of the first chunk of a copy that fails its check, if any does."""
+        resume = 0
+        try:
+            for chunk in tier.read(sha256):
+                resume = chunk.offset + len(chunk.data)
+        except (IntegrityError, NotFound):
+            return resume
+        return None
+
+    def _count(
+        self, *, faults: int = 0, repaired: int = 0, unrepairable: int = 0, failed_rewrites: int = 0
+    ) -> None:
+        with self._stats_lock:
+            self.stats.faults += faults
+            self.stats.repaired += repaired
+            self.stats.unrepairable += unrepairable
+            self.stats.failed_rewrites += failed_rewrites
+
+
+def _copy(sha256: Digest, source: BlobStore, target: BlobStore) -> None:
+    """Stream a blob from one tier into another; the commit re-checks the whole digest."""
+    with target.writer() as writer:
+        for chunk in source.read(sha256):
+            writer.write(chunk.data)
+        writer.commit(sha256)
+
+
+def _data_loss(sha256: Digest, names: list[str], faults: list[_Fault]) -> IntegrityError:
+    found = "; ".join(
+        f"{names[fault.tier]}"
+        + ("" if fault.offset is None else f" (chunk at byte offset {fault.offset})")
+        + f": {fault.found}"
+        for fault in faults
+    )
+    return IntegrityError(f"no tier holds a good copy of {sha256}: {found}")
+
+
+class _PlacingWriter:
+    """The first tier's writer, which also records the placement once the blob is committed."""
+
+    def __init__(self, inner: BlobWriter, place: Callable[[Digest], None]) -> None:
+        self._inner = inner
+        self._place = place
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._inner.write(data)
+
+    def commit(self, expected: Digest | None = None) -> tuple[BlobInfo, bool]:
+        info, created = self._inner.commit(expected)
+        self._place(info.sha256)
+        return info, created
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._inner.abort()
