@@ -3,6 +3,8 @@ that answers proofs, signed checkpoints, and the queries behind look-ups and the
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -101,11 +103,38 @@ class LogFilter:
 
 
 class _Append:
-    __slots__ = ("future", "pins")
+    """Entries waiting for a group commit, and who waits for them: a thread (`future`) or an
+    event loop (`waiter`, settled on its loop, all of one commit's in one wake-up)."""
 
-    def __init__(self, pins: Sequence[PinSpec]) -> None:
+    __slots__ = ("future", "pins", "waiter")
+
+    def __init__(
+        self, pins: Sequence[PinSpec], waiter: asyncio.Future[list[StoredEntry]] | None = None
+    ) -> None:
         self.pins = pins
+        self.waiter = waiter
         self.future: Future[list[StoredEntry]] = Future()
+
+    def settle_later(
+        self, outcome: list[StoredEntry] | BaseException, loops: dict[Any, list[Any]]
+    ) -> None:
+        if self.waiter is None:
+            if isinstance(outcome, BaseException):
+                self.future.set_exception(outcome)
+            else:
+                self.future.set_result(outcome)
+        else:
+            loops.setdefault(self.waiter.get_loop(), []).append((self.waiter, outcome))
+
+
+def _settle(settled: list[tuple[asyncio.Future[list[StoredEntry]], Any]]) -> None:
+    for waiter, outcome in settled:
+        if waiter.done():  # its caller gave up
+            continue
+        if isinstance(outcome, BaseException):
+            waiter.set_exception(outcome)
+        else:
+            waiter.set_result(outcome)
 
 
 _STOP: Final = object()
@@ -178,19 +207,29 @@ class Ledger:
 
     def submit(self, pins: Sequence[PinSpec]) -> Future[list[StoredEntry]]:
         """Queue entries for the next group commit; the future resolves once they are durable."""
+        request = _Append(pins)
         if not pins:
-            done: Future[list[StoredEntry]] = Future()
-            done.set_result([])
-            return done
+            request.future.set_result([])
+        elif self._admit(pins):
+            self._queue.put(request)
+        return request.future
+
+    async def append_async(self, pins: Sequence[PinSpec]) -> list[StoredEntry]:
+        """`append` for an event loop: waits without a thread."""
+        if not pins or not self._admit(pins):
+            return []
+        waiter: asyncio.Future[list[StoredEntry]] = asyncio.get_running_loop().create_future()
+        self._queue.put(_Append(pins, waiter))
+        return await waiter
+
+    def _admit(self, pins: Sequence[PinSpec]) -> bool:
         if len(pins) > MAX_BATCH:
             raise InvalidArgument(
                 f"too many entries in one append: {len(pins)} (at most {MAX_BATCH})"
             )
         if self._closed.is_set():
             raise Unavailable("the ledger is closed")
-        request = _Append(pins)
-        self._queue.put(request)
-        return request.future
+        return True
 
     def _write_loop(self) -> None:
         concurrent = False
@@ -216,8 +255,9 @@ class Ledger:
                 batch.append(more)
                 count += len(more.pins)
             concurrent = len(batch) > 1
+            outcomes: Sequence[list[StoredEntry] | BaseException]
             try:
-                results = self._commit(batch)
+                outcomes = self._commit(batch)
             except BaseException as exc:  # every waiter must hear of the failure
                 log.exception("ledger append failed")
                 error = (
@@ -225,11 +265,13 @@ class Ledger:
                     if isinstance(exc, VaultError)
                     else Unavailable(f"ledger append failed: {exc}")
                 )
-                for request in batch:
-                    request.future.set_exception(error)
-            else:
-                for request, result in zip(batch, results, strict=True):
-                    request.future.set_result(result)
+                outcomes = [error] * len(batch)
+            loops: dict[Any, list[Any]] = {}
+            for request, outcome in zip(batch, outcomes, strict=True):
+                request.settle_later(outcome, loops)
+            for loop, settled in loops.items():
+                with contextlib.suppress(RuntimeError):  # that loop has closed
+                    loop.call_soon_threadsafe(_settle, settled)
             if stop:
                 return
 

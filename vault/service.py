@@ -343,7 +343,7 @@ class LedgerService(_Service, rpc.LedgerServicer):
     async def _append(self, pins: Sequence[pb.PinRequest]) -> list[StoredEntry]:
         specs = await self.call(self._specs, pins)
         # Waits for the group commit without holding a thread.
-        return await asyncio.wrap_future(self.ledger.submit(specs))
+        return await self.ledger.append_async(specs)
 
     @unary_async
     async def Pin(self, request: pb.PinRequest) -> pb.PinResponse:
