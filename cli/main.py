@@ -13,6 +13,7 @@ from typing import Any, Final, NoReturn
 
 from cli import config as config_module
 from cli.config import Config
+from cli.dataset import add_dataset_commands
 from cli.progress import Progress
 from vault.allocator import keep_freed_buffers
 from vault.client import BlobInfo, ProvenEntry, VaultClient
@@ -438,6 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--blobs", action="store_true")
     p.set_defaults(func=cmd_verify)
+
+    add_dataset_commands(sub, _client)
     return parser
 
 
