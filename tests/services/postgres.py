@@ -13,12 +13,13 @@ import stat
 import subprocess
 import tempfile
 from pathlib import Path
-from types import TracebackType
 from typing import Self
 
 import psycopg
 from psycopg import errors, sql
 from sqlalchemy import URL
+
+from tests.services.base import PrivateServer
 
 SERVER_PROGRAMS = ("initdb", "pg_ctl", "postgres")
 # PostgreSQL refuses to run as root, so a root test run hands the cluster to this OS user.
@@ -73,13 +74,15 @@ def find_bindir() -> Path:
     )
 
 
-class PostgresServer:
+class PostgresServer(PrivateServer):
     """One private cluster. `start()` (or `with`) runs it, `url` names its `pinvault` database,
     `create_database()` gives a fresh empty one, and `stop()` shuts it down and deletes it.
 
     `fsync=False` trades crash safety for speed; the default keeps fsync on so that tests of
     durable appends measure what a real server does.
     """
+
+    name = "PostgreSQL"
 
     def __init__(
         self, *, fsync: bool = True, bindir: Path | None = None, timeout: float = 60.0
@@ -168,24 +171,7 @@ class PostgresServer:
         self._base = None
         shutil.rmtree(base, ignore_errors=True)
 
-    def __enter__(self) -> Self:
-        return self if self._base is not None else self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
     # -- where things are -------------------------------------------------------------------
-
-    @property
-    def base_dir(self) -> Path:
-        if self._base is None:
-            raise RuntimeError("PostgreSQL server is not running: call start() first")
-        return self._base
 
     @property
     def data_dir(self) -> Path:

@@ -16,14 +16,15 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any, ClassVar, Self
 
 import boto3  # type: ignore[import-untyped]
 from botocore.config import Config  # type: ignore[import-untyped]
+
+from tests.services.base import PrivateServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN_DIR = REPO_ROOT / ".cache" / "bin"
@@ -78,7 +79,7 @@ def s3_client(url: str, access_key: str, secret_key: str, region: str, **config:
     return session.client("s3", endpoint_url=url, config=Config(**settings))
 
 
-class S3Server(ABC):
+class S3Server(PrivateServer):
     """One server process and the folder it owns.
 
     `start()` (or `with`) makes a fresh folder and runs the server on 127.0.0.1 at a port the
@@ -165,24 +166,7 @@ class S3Server(ABC):
             self._base = None
             shutil.rmtree(base, ignore_errors=True)
 
-    def __enter__(self) -> Self:
-        return self if self._base is not None else self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
     # -- where things are -------------------------------------------------------------------
-
-    @property
-    def base_dir(self) -> Path:
-        if self._base is None:
-            raise RuntimeError(f"{self.name} server is not running: call start() first")
-        return self._base
 
     @property
     def data_dir(self) -> Path:
