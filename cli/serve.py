@@ -62,6 +62,7 @@ def serve(config: Config, listen: str | None = None) -> int:
     try:
         asyncio.run(_serve(config, ledger, content, listen or config.server.listen))
     finally:
+        content.close()
         ledger.close()
         db.dispose()
     return 0

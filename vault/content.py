@@ -3,16 +3,18 @@ that makes a blob visible once durable and answers for it by either digest."""
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
 
 from sqlalchemy import select, text
-from sqlalchemy.dialects import postgresql, sqlite
 
 from vault import db as tables
-from vault.db import Database
+from vault.db import Database, Writer
 from vault.digest import Digest, check_digest
 from vault.errors import IntegrityError, InvalidArgument, NotFound, VaultError
 from vault.storage import BlobInfo, BlobStore, Chunk
@@ -35,10 +37,68 @@ class BlobCheck:
     failure: str = ""
 
 
+class _Catalogue:
+    """Records stored blobs in the catalog, durably, many puts to one commit: concurrent puts
+    share one transaction and one sync instead of queueing for the database's write lock."""
+
+    _INSERT: Final = (
+        "INSERT INTO blobs (sha256, blake3, size, stored_at) VALUES (?, ?, ?, ?) "
+        "ON CONFLICT DO NOTHING"
+    )
+
+    def __init__(self, db: Database) -> None:
+        self._writer = Writer(db)
+        self._queue: queue.SimpleQueue[tuple[tuple[str, str, int, str], Future[None]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name="catalog-writer", daemon=True)
+        self._thread.start()
+
+    def record(self, info: BlobInfo, stored_at: str) -> None:
+        """Returns once the row is committed."""
+        done: Future[None] = Future()
+        self._queue.put(((str(info.sha256), str(info.blake3), info.size, stored_at), done))
+        done.result()
+
+    def _run(self) -> None:
+        while (first := self._queue.get()) is not None:
+            batch = [first]
+            stop = False
+            while True:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                batch.append(more)
+            try:
+                with self._writer.begin() as tx:
+                    tx.many(self._INSERT, [row for row, _ in batch])
+            except BaseException as exc:  # every waiting put must hear of it
+                for _, done in batch:
+                    done.set_exception(exc)
+            else:
+                for _, done in batch:
+                    done.set_result(None)
+            if stop:
+                break
+        self._writer.close()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
 class Content:
     def __init__(self, db: Database, store: BlobStore) -> None:
         self.db = db
         self.store = store
+        self._catalogue = _Catalogue(db)
+
+    def close(self) -> None:
+        self._catalogue.close()
 
     # ------------------------------------------------------------------ writes
 
@@ -48,17 +108,7 @@ class Content:
             for piece in data:
                 writer.write(piece)
             info, created = writer.commit(expected)
-        stored_at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        insert = (sqlite.insert if self.db.is_sqlite else postgresql.insert)(tables.blobs)
-        with self.db.write.begin() as conn:
-            conn.execute(
-                insert.values(
-                    sha256=str(info.sha256),
-                    blake3=str(info.blake3),
-                    size=info.size,
-                    stored_at=stored_at,
-                ).on_conflict_do_nothing()
-            )
+        self._catalogue.record(info, datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
         found = self.find(info.sha256)
         assert found is not None
         return found, created
