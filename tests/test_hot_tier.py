@@ -130,26 +130,6 @@ def test_put_syncs_the_bytes_and_chunk_list_before_linking_then_the_folder(
     assert ("fsync", str(Path(blob).parent)) in events[link:]
 
 
-def test_concurrent_puts_of_the_same_content_report_exactly_one_creation(tier: HotTier) -> None:
-    data = content(LARGE, seed=4)
-    created: list[bool] = []
-    barrier = threading.Barrier(4)
-
-    def put() -> None:
-        with tier.writer() as writer:
-            writer.write(data)
-            barrier.wait()
-            created.append(writer.commit()[1])
-
-    threads = [threading.Thread(target=put) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert sorted(created) == [False, False, False, True]
-    assert temp_files(tier) == []
-
-
 # -- leftovers ---------------------------------------------------------------------------------
 
 
