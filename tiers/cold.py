@@ -15,8 +15,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Final, NoReturn, Self
+from typing import Any, Final, NoReturn
 
 import botocore.session  # type: ignore[import-untyped]
 import zstandard
@@ -31,8 +30,10 @@ from vault.storage import (
     BlobHasher,
     BlobInfo,
     BlobStore,
+    BlobWriter,
     Chunk,
     ChunkList,
+    Closing,
     check_expected,
     require_sha256,
 )
@@ -217,7 +218,7 @@ def decode_index(data: bytes, sha256: Digest, key: str) -> ColdLayout:
 # -- the tier ----------------------------------------------------------------------------------
 
 
-class ColdTier(BlobStore):
+class ColdTier(Closing, BlobStore):
     """A BlobStore on one bucket (under an optional key prefix) of one S3 endpoint::
 
         <prefix>blobs/sha256/<hex>   the blob's index (ColdLayout), and its data if small
@@ -321,17 +322,6 @@ class ColdTier(BlobStore):
     def close(self) -> None:
         """Close the client's connections."""
         self.client.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -699,7 +689,7 @@ class _Refused(Exception):
 # -- writing -----------------------------------------------------------------------------------
 
 
-class ColdWriter:
+class ColdWriter(BlobWriter):
     """One put into the cold tier.
 
     Bytes are hashed as they come (BlobHasher) and cut into chunks; each chunk is compressed
@@ -772,17 +762,6 @@ class ColdWriter:
         upload, self.upload = self.upload, None
         if upload is not None:
             upload.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.abort()
 
     def _seal(self, raw: bytes | bytearray | memoryview) -> None:
         """Store one whole chunk (or the last, shorter one)."""

@@ -14,8 +14,7 @@ import secrets
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
-from types import TracebackType
-from typing import Final, Self
+from typing import Final
 
 from tiers.files import fsync_dir, write_all
 from vault.digest import Digest
@@ -24,6 +23,7 @@ from vault.storage import (
     CHUNK_SIZE,
     BlobHasher,
     BlobInfo,
+    BlobWriter,
     Chunk,
     ChunkHasher,
     ChunkList,
@@ -336,7 +336,7 @@ class HotTier:
         return True
 
 
-class HotWriter:
+class HotWriter(BlobWriter):
     """One put into the hot tier; see _Pipeline for how the work is shared out."""
 
     def __init__(self, tier: HotTier) -> None:
@@ -369,17 +369,6 @@ class HotWriter:
         if self._open:
             self._open = False
             self._pipeline.discard()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.abort()
 
 
 class _Pipeline:

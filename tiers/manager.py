@@ -10,8 +10,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
 
 from vault.digest import Digest
 from vault.errors import IntegrityError, InvalidArgument, NotFound, VaultError
@@ -22,6 +20,7 @@ from vault.storage import (
     BlobWriter,
     Chunk,
     ChunkList,
+    Closing,
     require_sha256,
 )
 
@@ -148,7 +147,7 @@ class Journal:
             yield Digest.parse(text)
 
 
-class TierManager:
+class TierManager(Closing):
     """A BlobStore over named tiers, first tier first. Writes go to the first tier; a read is
     served by the first tier holding a copy, and when that copy fails its check (or vanishes)
     the same read goes on, from the exact chunk that failed, out of a good copy elsewhere,
@@ -176,17 +175,6 @@ class TierManager:
 
     def close(self) -> None:
         self.journal.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- the BlobStore protocol --------------------------------------------------------------
 
@@ -496,7 +484,7 @@ def _data_loss(sha256: Digest, names: list[str], faults: list[_Fault]) -> Integr
     return IntegrityError(f"no tier holds a good copy of {sha256}: {found}")
 
 
-class _PlacingWriter:
+class _PlacingWriter(BlobWriter):
     """The first tier's writer, which also records the placement once the blob is committed."""
 
     def __init__(self, inner: BlobWriter, place: Callable[[Digest], None]) -> None:
@@ -512,10 +500,4 @@ class _PlacingWriter:
         return info, created
 
     def abort(self) -> None:
-        self._inner.abort()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
         self._inner.abort()

@@ -20,8 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Final, Self, TypeVar
+from typing import Final, TypeVar
 
 import blake3
 import zstandard
@@ -33,8 +32,10 @@ from vault.storage import (
     CHUNK_SIZE,
     BlobHasher,
     BlobInfo,
+    BlobWriter,
     Chunk,
     ChunkList,
+    Closing,
     check_expected,
     require_sha256,
 )
@@ -157,7 +158,7 @@ class _Row:
     chunks: ChunkList
 
 
-class WarmTier:
+class WarmTier(Closing):
     """A BlobStore on an append-only archive folder::
 
         root/archive/<number>.pack    write-once pack files of records; mode 0444 once sealed
@@ -235,17 +236,6 @@ class WarmTier:
 
     def __repr__(self) -> str:
         return f"WarmTier({str(self.root)!r})"
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def close(self) -> None:
         """Release the folder. Every put that returned is already durable: nothing is flushed
@@ -821,7 +811,7 @@ class WarmTier:
         os.close(self._lock_fd)
 
 
-class WarmWriter:
+class WarmWriter(BlobWriter):
     """One put into the warm tier. The first chunk is held in memory; a blob that outgrows it
     streams on, chunk by chunk, into a record file in tmp/, so memory stays bounded."""
 
@@ -879,17 +869,6 @@ class WarmWriter:
         chunk = bytes(self._buffer)
         self._buffer.clear()
         self._large.add(chunk)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.abort()
 
 
 class _LargeRecord:

@@ -364,7 +364,8 @@ def _stable_view(data: bytes | bytearray | memoryview) -> memoryview:
 
 class BlobWriter(Protocol):
     """One blob being stored. Use it as a context manager: leaving the block without a commit,
-    or by an exception, aborts the write and leaves nothing behind."""
+    or by an exception, aborts the write and leaves nothing behind. A writer that subclasses
+    this protocol inherits that behaviour."""
 
     def write(self, data: bytes | memoryview) -> None:
         """Append bytes, any amount at a time; the caller may reuse its buffer once this
@@ -383,14 +384,34 @@ class BlobWriter(Protocol):
         """Drop the write; safe to call more than once, and after commit (then a no-op)."""
         ...
 
-    def __enter__(self) -> Self: ...
+    def __enter__(self) -> Self:
+        return self
 
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> None: ...
+    ) -> None:
+        self.abort()
+
+
+class Closing:
+    """A store that holds resources: `with` closes it."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
 
 class BlobStore(Protocol):
