@@ -323,6 +323,11 @@ class ColdTier(Closing, BlobStore):
         """Close the client's connections."""
         self.client.close()
 
+    def probe(self) -> None:
+        """One cheap request (HEAD of the bucket): Unavailable, naming the endpoint, if it
+        does not answer within the tier's timeouts or refuses."""
+        self._call(f"looking up bucket {self.bucket}", "head_bucket")
+
     # -- writes ------------------------------------------------------------------------------
 
     def writer(self) -> ColdWriter:

@@ -148,6 +148,21 @@ class S3Server(PrivateServer):
                     f"{self.name} exited with {status} on SIGTERM{self._log_tail()}"
                 )
 
+    def crash(self) -> None:
+        """Kill the process with SIGKILL, as a power cut would, keeping its data and port for
+        `resume()`."""
+        self._kill()
+
+    def freeze(self) -> None:
+        """SIGSTOP: the server keeps its port and accepts connections but answers nothing."""
+        assert self.process is not None, f"{self.name} server is not running"
+        self.process.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT after `freeze()`."""
+        assert self.process is not None, f"{self.name} server is not running"
+        self.process.send_signal(signal.SIGCONT)
+
     def resume(self) -> None:
         """Start a halted server again on the same folder and port."""
         if self._base is None or self.process is not None:

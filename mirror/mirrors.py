@@ -1,0 +1,214 @@
+"""The mirror set: N S3 endpoints, each a `tiers.cold.ColdTier`, which of them should hold a
+given blob, and what was last seen of each one's health."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from tiers.cold import ColdTier
+from vault.digest import Digest
+from vault.errors import InvalidArgument, Unavailable
+from vault.storage import Closing
+
+_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
+_SEPARATORS = re.compile(r"[\s,]+")
+ACCESS_KEY_SUFFIX: Final = "_ACCESS_KEY_ID"
+SECRET_KEY_SUFFIX: Final = "_SECRET_ACCESS_KEY"
+
+
+@dataclass(frozen=True, slots=True)
+class MirrorEndpoint:
+    """Where one mirror is and how to sign requests to it."""
+
+    name: str
+    url: str
+    bucket: str
+    prefix: str
+    access_key_id: str
+    secret_access_key: str
+    region: str = "us-east-1"
+
+
+def credential_variables(prefix: str, name: str) -> tuple[str, str]:
+    """The environment variables holding a mirror's access key id and secret key."""
+    stem = prefix + name.upper().replace("-", "_")
+    return stem + ACCESS_KEY_SUFFIX, stem + SECRET_KEY_SUFFIX
+
+
+def parse_endpoints(
+    text: str, *, environ: Mapping[str, str], credentials_prefix: str, region: str
+) -> list[MirrorEndpoint]:
+    """Mirrors from `NAME=http(s)://HOST[:PORT]/BUCKET[/PREFIX]` items separated by spaces or
+    commas, each with its keys from the environment; InvalidArgument naming what is wrong."""
+    endpoints: list[MirrorEndpoint] = []
+    for item in _SEPARATORS.split(text.strip()):
+        if not item:
+            continue
+        name, equals, url = item.partition("=")
+        if not equals or not _NAME.fullmatch(name):
+            raise InvalidArgument(
+                f"mirrors.endpoints: {item!r} is not NAME=URL/BUCKET with a NAME of lowercase "
+                "letters, digits and dashes"
+            )
+        parts = urllib.parse.urlsplit(url)
+        bucket, _, prefix = parts.path.strip("/").partition("/")
+        if parts.scheme not in ("http", "https") or not parts.netloc or not bucket:
+            raise InvalidArgument(
+                f"mirrors.endpoints: mirror {name} has {url!r}, expected "
+                "http(s)://HOST[:PORT]/BUCKET[/PREFIX]"
+            )
+        if any(endpoint.name == name for endpoint in endpoints):
+            raise InvalidArgument(f"mirrors.endpoints: mirror {name} is named twice")
+        access_variable, secret_variable = credential_variables(credentials_prefix, name)
+        missing = [v for v in (access_variable, secret_variable) if not environ.get(v)]
+        if missing:
+            raise InvalidArgument(
+                f"mirror {name}: set {' and '.join(missing)} to its S3 credentials"
+            )
+        endpoints.append(
+            MirrorEndpoint(
+                name=name,
+                url=f"{parts.scheme}://{parts.netloc}",
+                bucket=bucket,
+                prefix=prefix,
+                access_key_id=environ[access_variable],
+                secret_access_key=environ[secret_variable],
+                region=region,
+            )
+        )
+    return endpoints
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """What was last seen of a mirror: None until it has been tried."""
+
+    reachable: bool | None = None
+    since: float = 0.0
+    error: str = ""
+
+
+class Mirror:
+    """One mirror: its name, its cold tier, and its health as last seen by this process."""
+
+    def __init__(self, name: str, tier: ColdTier) -> None:
+        self.name = name
+        self.tier = tier
+        self._health = Health()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Mirror({self.name!r}, {self.tier!r})"
+
+    @property
+    def where(self) -> str:
+        return f"{self.tier.endpoint_url.rstrip('/')}/{self.tier.bucket}/{self.tier.prefix}"
+
+    @property
+    def health(self) -> Health:
+        with self._lock:
+            return self._health
+
+    def seen_up(self) -> None:
+        with self._lock:
+            if self._health.reachable is not True:
+                self._health = Health(True, time.time())
+
+    def seen_down(self, error: str) -> None:
+        with self._lock:
+            since = self._health.since if self._health.reachable is False else time.time()
+            self._health = Health(False, since, error)
+
+    def probe(self) -> Health:
+        """Ask the endpoint now (one HEAD, bounded by the tier's timeouts)."""
+        try:
+            self.tier.probe()
+        except Unavailable as error:
+            self.seen_down(str(error))
+        else:
+            self.seen_up()
+        return self.health
+
+
+class MirrorSet(Closing):
+    """The mirrors, and which `replicas` of them hold each blob: the ones ranking highest for
+    the digest by rendezvous hashing, so every process agrees without a table, and adding a
+    mirror moves only the copies that now rank on it."""
+
+    def __init__(self, mirrors: Sequence[Mirror], *, replicas: int) -> None:
+        if not mirrors:
+            raise InvalidArgument("a mirror set needs at least one mirror")
+        if not 1 <= replicas <= len(mirrors):
+            raise InvalidArgument(
+                f"mirrors.replicas is {replicas}, expected 1 to the {len(mirrors)} mirrors "
+                "configured (each copy goes to a different mirror)"
+            )
+        self.mirrors = list(mirrors)
+        self.replicas = replicas
+
+    def close(self) -> None:
+        for mirror in self.mirrors:
+            mirror.tier.close()
+
+    def __iter__(self) -> Iterator[Mirror]:
+        return iter(self.mirrors)
+
+    def __len__(self) -> int:
+        return len(self.mirrors)
+
+    @property
+    def names(self) -> list[str]:
+        return [mirror.name for mirror in self.mirrors]
+
+    def get(self, name: str) -> Mirror:
+        for mirror in self.mirrors:
+            if mirror.name == name:
+                return mirror
+        raise InvalidArgument(f"no mirror named {name!r} (mirrors: {', '.join(self.names)})")
+
+    def assigned(self, digest: Digest) -> list[Mirror]:
+        """The mirrors that should hold `digest`."""
+        if self.replicas == len(self.mirrors):
+            return list(self.mirrors)
+        ranked = sorted(
+            self.mirrors,
+            key=lambda mirror: hashlib.sha256(f"{mirror.name}\0{digest}".encode()).digest(),
+            reverse=True,
+        )
+        return ranked[: self.replicas]
+
+
+def open_mirrors(
+    endpoints: Sequence[MirrorEndpoint],
+    *,
+    replicas: int,
+    connect_timeout: float,
+    read_timeout: float,
+    attempts: int,
+) -> MirrorSet:
+    """A MirrorSet with one ColdTier per endpoint (no request is made yet)."""
+    mirrors = [
+        Mirror(
+            endpoint.name,
+            ColdTier(
+                endpoint_url=endpoint.url,
+                bucket=endpoint.bucket,
+                prefix=endpoint.prefix,
+                access_key_id=endpoint.access_key_id,
+                secret_access_key=endpoint.secret_access_key,
+                region=endpoint.region,
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                max_attempts=attempts,
+            ),
+        )
+        for endpoint in endpoints
+    ]
+    return MirrorSet(mirrors, replicas=replicas)

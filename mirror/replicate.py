@@ -1,0 +1,203 @@
+"""Replication: the worker threads that empty the queue, one per mirror so that a mirror that is
+down or hangs holds up only its own copies, each copy verified before it counts."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+from mirror.mirrors import Mirror, MirrorSet
+from mirror.queue import Pending, ReplicationQueue
+from vault.digest import Digest
+from vault.errors import IntegrityError, NotFound, Unavailable, VaultError
+from vault.storage import BlobInfo, BlobStore
+
+log = logging.getLogger("pinvault.mirror")
+
+# When idle, a worker still looks at the queue this often: another process (`vault mirror
+# sync`) may have queued copies without waking it.
+IDLE_POLL: Final = 5.0
+_BATCH: Final = 32
+
+
+def copy_to_mirror(source: BlobStore, mirror: Mirror, digest: Digest) -> int:
+    """Make sure `mirror` holds a verified copy of `digest`, read (verified) from `source`;
+    returns the blob's size.
+
+    A copy already there counts only once read back whole and found intact; a damaged one is
+    replaced. A new copy is checked as it is written: every byte read from `source` is checked
+    against its chunk list, the whole against the digest, and the endpoint must echo the
+    SHA-256 of every part it received (else the cold tier reads it back).
+    """
+    tier = mirror.tier
+    if not tier.find_missing([digest]):
+        try:
+            return tier.verify(digest).size
+        except IntegrityError as damage:
+            log.warning("mirror %s: replacing a damaged copy: %s", mirror.name, damage)
+            tier.delete(digest)
+        except NotFound:
+            pass  # deleted since: write it
+    info, created = copy_blob(source, tier, digest)
+    if not created:
+        # Another process wrote it between the look-up and the commit: check its copy.
+        return tier.verify(digest).size
+    return info.size
+
+
+def copy_blob(source: BlobStore, target: BlobStore, digest: Digest) -> tuple[BlobInfo, bool]:
+    """Stream a blob between stores: each chunk checked as read, the whole on commit."""
+    with target.writer() as writer:
+        for chunk in source.read(digest):
+            writer.write(chunk.data)
+        return writer.commit(digest)
+
+
+@dataclass(slots=True)
+class DrainReport:
+    """One pass over a mirror's queue."""
+
+    copied: int = 0
+    copied_bytes: int = 0
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class Replicator:
+    """Background threads, one per mirror, that copy queued blobs from `source` to the mirrors.
+
+    A copy that fails is retried with exponential backoff (retry_min doubling to retry_max,
+    with jitter so that mirrors coming back are not hit all at once). A mirror that cannot be
+    reached pauses its own worker until the next retry time; the queue keeps the copies, so
+    nothing waits in memory only.
+    """
+
+    def __init__(
+        self,
+        source: BlobStore,
+        mirrors: MirrorSet,
+        queue: ReplicationQueue,
+        *,
+        retry_min: float = 1.0,
+        retry_max: float = 60.0,
+        idle_poll: float = IDLE_POLL,
+    ) -> None:
+        self.source = source
+        self.mirrors = mirrors
+        self.queue = queue
+        self.retry_min = retry_min
+        self.retry_max = max(retry_max, retry_min)
+        self.idle_poll = idle_poll
+        self._stop = threading.Event()
+        self._wake = {mirror.name: threading.Event() for mirror in mirrors}
+        self._threads: list[threading.Thread] = []
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for mirror in self.mirrors:
+            thread = threading.Thread(
+                target=self._run, args=(mirror,), name=f"mirror-{mirror.name}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def notify(self, mirrors: list[str] | None = None) -> None:
+        """New copies are queued: wake the workers (all of them, or those named)."""
+        for name in self._wake if mirrors is None else mirrors:
+            self._wake[name].set()
+
+    def close(self, timeout: float = 10.0) -> list[str]:
+        """Stop the workers; returns the mirrors whose worker was still inside a request at
+        the deadline (it is left to the process's exit: its copy stays queued)."""
+        self._stop.set()
+        self.notify()
+        deadline = time.monotonic() + timeout
+        stuck: list[str] = []
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                stuck.append(thread.name.removeprefix("mirror-"))
+        self._threads.clear()
+        return stuck
+
+    # -- the work ----------------------------------------------------------------------------
+
+    def drain(self, mirror: Mirror, *, stop: Callable[[], bool] = lambda: False) -> DrainReport:
+        """Copy every copy queued for `mirror` that is due now; stop at the first sign that the
+        mirror is unreachable (the rest stay queued)."""
+        report = DrainReport()
+        while not stop():
+            batch = self.queue.due(mirror.name, limit=_BATCH)
+            if not batch:
+                break
+            for item in batch:
+                if stop():
+                    return report
+                reachable = self._replicate(mirror, item, report)
+                if not reachable:
+                    return report
+        return report
+
+    def _run(self, mirror: Mirror) -> None:
+        wake = self._wake[mirror.name]
+        while not self._stop.is_set():
+            wake.clear()
+            try:
+                self.drain(mirror, stop=self._stop.is_set)
+                next_try = self.queue.next_try(mirror.name)
+            except VaultError as error:  # the queue's file itself: retry, never die
+                log.error("mirror %s: replication queue: %s", mirror.name, error)
+                next_try = None
+            now = time.time()
+            pause = self.idle_poll if next_try is None else min(self.idle_poll, next_try - now)
+            if pause > 0:
+                wake.wait(pause)
+
+    def _replicate(self, mirror: Mirror, item: Pending, report: DrainReport) -> bool:
+        """One queued copy; False if the mirror turned out unreachable."""
+        try:
+            size = copy_to_mirror(self.source, mirror, item.digest)
+        except NotFound as error:
+            if self.source.info(item.digest) is None:
+                # The blob was deleted here: there is nothing left to copy.
+                self.queue.drop(item.digest, mirror.name)
+                return True
+            self._failed(mirror, item, report, str(error))
+            return True
+        except Unavailable as error:
+            mirror.seen_down(str(error))
+            self._failed(mirror, item, report, str(error))
+            return False
+        except VaultError as error:
+            self._failed(mirror, item, report, str(error))
+            return True
+        except Exception as error:  # botocore or the OS outside the tier's mapping
+            log.exception("mirror %s: copying %s failed", mirror.name, item.digest)
+            self._failed(mirror, item, report, f"{type(error).__name__}: {error}")
+            return True
+        mirror.seen_up()
+        self.queue.done(item.digest, mirror.name, size)
+        report.copied += 1
+        report.copied_bytes += size
+        return True
+
+    def _failed(self, mirror: Mirror, item: Pending, report: DrainReport, error: str) -> None:
+        delay = min(self.retry_max, self.retry_min * 2 ** min(item.attempts, 30))
+        delay *= random.uniform(0.75, 1.0)
+        log.warning(
+            "mirror %s: copy of %s failed (attempt %d, next in %.1fs): %s",
+            mirror.name,
+            item.digest,
+            item.attempts + 1,
+            delay,
+            error,
+        )
+        self.queue.failed(item.digest, mirror.name, error, time.time() + delay)
+        report.failed += 1
+        report.errors.append(f"{item.digest}: {error}")

@@ -1,0 +1,55 @@
+"""`vault mirror status`: per mirror, whether it answers now, the verified copies it holds and
+the replication lag (copies queued for it, their bytes, and the age of the oldest)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from mirror.mirrors import MirrorSet
+from mirror.queue import ReplicationQueue
+
+
+@dataclass(frozen=True, slots=True)
+class MirrorStatus:
+    name: str
+    where: str
+    reachable: bool
+    error: str
+    objects: int
+    bytes: int
+    queued: int
+    queued_bytes: int
+    lag_seconds: float
+    last_error: str
+
+    def as_json(self) -> dict[str, object]:
+        return {field: getattr(self, field) for field in self.__slots__}
+
+
+def mirror_status(mirrors: MirrorSet, queue: ReplicationQueue) -> list[MirrorStatus]:
+    """Probe every mirror at once (each bounded by its timeouts) and read the queue."""
+    with ThreadPoolExecutor(max_workers=len(mirrors), thread_name_prefix="mirror-probe") as pool:
+        healths = list(pool.map(lambda mirror: mirror.probe(), mirrors))
+    counts = queue.counts()
+    now = time.time()
+    found: list[MirrorStatus] = []
+    for mirror, health in zip(mirrors, healths, strict=True):
+        count = counts.get(mirror.name)
+        oldest = None if count is None else count.oldest_queued
+        found.append(
+            MirrorStatus(
+                name=mirror.name,
+                where=mirror.where,
+                reachable=bool(health.reachable),
+                error=health.error,
+                objects=0 if count is None else count.objects,
+                bytes=0 if count is None else count.bytes,
+                queued=0 if count is None else count.queued,
+                queued_bytes=0 if count is None else count.queued_bytes,
+                lag_seconds=0.0 if oldest is None else max(0.0, now - oldest),
+                last_error="" if count is None else count.last_error,
+            )
+        )
+    return found
