@@ -4,12 +4,15 @@ serves a read on from a good copy when one is damaged, rewrites the damaged copy
 from __future__ import annotations
 
 import contextlib
+import logging
+import queue
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 from vault.digest import Digest
 from vault.errors import IntegrityError, InvalidArgument, NotFound, VaultError
@@ -23,6 +26,8 @@ from vault.storage import (
     Closing,
     require_sha256,
 )
+
+log = logging.getLogger("pinvault.tiers")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS journal (
@@ -40,6 +45,20 @@ CREATE TABLE IF NOT EXISTS placements (
     PRIMARY KEY (digest, tier)
 ) WITHOUT ROWID;
 """
+# Added to placements after the first release; a journal without them gains them at open.
+# `stored` is when the blob first came to the vault (a migrated copy inherits it), so its age
+# survives moves between tiers.
+_PLACEMENT_COLUMNS: Final = (
+    ("size", "INTEGER"),
+    ("stored", "REAL"),
+    ("last_read", "REAL"),
+    ("last_verified", "REAL"),
+)
+# Reads are counted in memory and written in one transaction at most this often: a read must
+# not pay for a synced write.
+READ_FLUSH_INTERVAL: Final = 5.0
+# The server and a `vault tier` or `vault scrub` command share the journal.
+_BUSY_TIMEOUT_MS: Final = 30_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +92,19 @@ class ScrubReport:
     unrepairable: int
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One copy in one tier, as journaled: its size, when the blob first came to the vault,
+    when this copy was last read and last verified (None: not since the journal knew it)."""
+
+    digest: Digest
+    tier: str
+    size: int | None
+    stored: float | None
+    last_read: float | None
+    last_verified: float | None
+
+
 @dataclass(slots=True)
 class _Fault:
     tier: int
@@ -95,11 +127,35 @@ class Journal:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
         self._db.execute("PRAGMA journal_mode = WAL")
         self._db.execute("PRAGMA synchronous = FULL")
         self._db.executescript(_SCHEMA)
+        self._upgrade()
+        self._reads: dict[tuple[str, str], float] = {}
+        self._reads_lock = threading.Lock()
+        self._flushed = time.monotonic()
+
+    def _upgrade(self) -> None:
+        """Add the placement columns a journal of an earlier version lacks; its placements
+        count as stored now, which only keeps them hot longer than their true age would."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                have = {row[1] for row in self._db.execute("PRAGMA table_info(placements)")}
+                for name, kind in _PLACEMENT_COLUMNS:
+                    if name not in have:
+                        self._db.execute(f"ALTER TABLE placements ADD COLUMN {name} {kind}")
+                self._db.execute(
+                    "UPDATE placements SET stored = ? WHERE stored IS NULL", (time.time(),)
+                )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def close(self) -> None:
+        self.flush_reads()
         with self._lock:
             self._db.close()
 
@@ -123,15 +179,98 @@ class Journal:
             rows = self._db.execute(query + " ORDER BY id", arguments).fetchall()
         return [Repair(row[0], Digest.parse(row[1]), *row[2:]) for row in rows]
 
-    def place(self, digest: Digest, tier: str) -> None:
+    def place(
+        self,
+        digest: Digest,
+        tier: str,
+        *,
+        size: int | None = None,
+        stored: float | None = None,
+        last_read: float | None = None,
+        verified: float | None = None,
+    ) -> None:
+        """Record a copy; what is given updates a known one, what is not keeps its value. A
+        new placement of a blob the journal already knows inherits its stored time."""
         with self._lock:
             self._db.execute(
-                "INSERT OR IGNORE INTO placements (digest, tier) VALUES (?, ?)", (str(digest), tier)
+                "INSERT INTO placements (digest, tier, size, stored, last_read, last_verified) "
+                "VALUES (?1, ?2, ?3, coalesce(?4, (SELECT min(stored) FROM placements "
+                "WHERE digest = ?1), ?7), ?5, ?6) "
+                "ON CONFLICT (digest, tier) DO UPDATE SET "
+                "size = coalesce(excluded.size, size), "
+                "last_read = CASE WHEN excluded.last_read IS NULL THEN last_read "
+                "ELSE max(excluded.last_read, coalesce(last_read, 0)) END, "
+                "last_verified = coalesce(excluded.last_verified, last_verified)",
+                (str(digest), tier, size, stored, last_read, verified, time.time()),
             )
 
-    def unplace(self, digest: Digest) -> None:
+    def unplace(self, digest: Digest, tier: str | None = None) -> None:
+        """Forget the blob's copy on `tier`, or every copy of it."""
         with self._lock:
-            self._db.execute("DELETE FROM placements WHERE digest = ?", (str(digest),))
+            if tier is None:
+                self._db.execute("DELETE FROM placements WHERE digest = ?", (str(digest),))
+            else:
+                self._db.execute(
+                    "DELETE FROM placements WHERE digest = ? AND tier = ?", (str(digest), tier)
+                )
+
+    def note_read(self, digest: Digest, tier: str) -> None:
+        """Count a read of a copy; written to the journal in batches (see flush_reads)."""
+        now = time.time()
+        with self._reads_lock:
+            self._reads[str(digest), tier] = now
+            due = time.monotonic() - self._flushed >= READ_FLUSH_INTERVAL
+        if due:
+            self.flush_reads()
+
+    def flush_reads(self) -> None:
+        """Write the reads counted since the last flush, all in one transaction."""
+        with self._reads_lock:
+            reads, self._reads = self._reads, {}
+            self._flushed = time.monotonic()
+        if not reads:
+            return
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany(
+                    "UPDATE placements SET last_read = max(coalesce(last_read, 0), ?) "
+                    "WHERE digest = ? AND tier = ?",
+                    [(when, digest, tier) for (digest, tier), when in reads.items()],
+                )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    _PLACEMENT = "SELECT digest, tier, size, stored, last_read, last_verified FROM placements"
+
+    def placements(self, digest: Digest | None = None) -> list[Placement]:
+        """The journaled copies of one blob, or of every blob, in order of digest."""
+        query = self._PLACEMENT
+        arguments: tuple[str, ...] = ()
+        if digest is not None:
+            query, arguments = query + " WHERE digest = ?", (str(digest),)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY digest, tier", arguments).fetchall()
+        return [Placement(Digest.parse(row[0]), *row[1:]) for row in rows]
+
+    def least_recently_verified(self, limit: int) -> list[Placement]:
+        """The copies verified longest ago (never verified first), for the scrubber."""
+        with self._lock:
+            rows = self._db.execute(
+                self._PLACEMENT + " ORDER BY coalesce(last_verified, 0), digest, tier LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return [Placement(Digest.parse(row[0]), *row[1:]) for row in rows]
+
+    def totals(self) -> dict[str, tuple[int, int]]:
+        """Per tier: the copies journaled there and their bytes (of known size)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT tier, count(*), coalesce(sum(size), 0) FROM placements GROUP BY tier"
+            ).fetchall()
+        return {tier: (count, size) for tier, count, size in rows}
 
     def placed(self, digest: Digest) -> set[str]:
         with self._lock:
@@ -159,7 +298,14 @@ class TierManager(Closing):
     that should hold it counts as a fault rather than as "never there".
     """
 
-    def __init__(self, tiers: Sequence[tuple[str, BlobStore]], *, journal: Path) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[tuple[str, BlobStore]],
+        *,
+        journal: Path,
+        promote: bool = False,
+        owned: Sequence[Closing] = (),
+    ) -> None:
         if not tiers:
             raise InvalidArgument("a tier manager needs at least one tier")
         names = [name for name, _ in tiers]
@@ -170,17 +316,43 @@ class TierManager(Closing):
         self.journal = Journal(journal)
         self.stats = RepairStats()
         self._stats_lock = threading.Lock()
-        # Two reads finding the same damage must not both delete and rewrite the copy.
+        # Two reads finding the same damage must not both delete and rewrite the copy; the
+        # migration worker takes it too, so that a repair never races a move.
         self._repair_lock = threading.RLock()
+        # With `promote`, a whole read served from a later tier puts a copy back in the first
+        # one, on a thread of its own so that the read does not wait for it.
+        self.promote = promote
+        # Tiers this manager closes when it is closed.
+        self._owned = list(owned)
+        self._promotions: set[Digest] = set()
+        self._promotion_queue: queue.SimpleQueue[Digest | None] = queue.SimpleQueue()
+        self._promoter: threading.Thread | None = None
+        self._promoter_lock = threading.Lock()
+
+    @property
+    def repair_lock(self) -> threading.RLock:
+        """Held by whoever checks, repairs or moves a blob's copies."""
+        return self._repair_lock
 
     def close(self) -> None:
+        with self._promoter_lock:
+            promoter, self._promoter = self._promoter, None
+        if promoter is not None:
+            self._promotion_queue.put(None)
+            promoter.join()
         self.journal.close()
+        for tier in self._owned:
+            tier.close()
 
     # -- the BlobStore protocol --------------------------------------------------------------
 
     def writer(self) -> BlobWriter:
         return _PlacingWriter(
-            self.tiers[0].writer(), lambda digest: self.journal.place(digest, self.names[0])
+            self.tiers[0].writer(),
+            # The commit hashed every byte as it was written: the copy is verified as of now.
+            lambda info: self.journal.place(
+                info.sha256, self.names[0], size=info.size, verified=time.time()
+            ),
         )
 
     def info(self, sha256: Digest) -> BlobInfo | None:
@@ -261,6 +433,7 @@ class TierManager(Closing):
             chosen = source, self.tiers[source].read(sha256, offset, length)
         if chosen is None:
             raise NotFound(f"blob {sha256} is on no tier")
+        self.journal.note_read(sha256, self.names[chosen[0]])
         return self._serve(sha256, offset, length, *chosen)
 
     def verify(self, sha256: Digest) -> BlobInfo:
@@ -316,12 +489,24 @@ class TierManager(Closing):
                     yield chunk
                     resume = chunk.offset + len(chunk.data)
                     served = True
+                if index != 0 and self.promote:
+                    self._promote_later(sha256)
                 return
             except (IntegrityError, NotFound) as error:
-                found = str(error) if isinstance(error, IntegrityError) else f"missing: {error}"
-                at = resume if served else resume - resume % CHUNK_SIZE
                 excluded.add(index)
                 recoveries += 1
+                if isinstance(error, NotFound) and self.names[index] not in self.journal.placed(
+                    sha256
+                ):
+                    # The migration worker moved this copy away after the read found it: not
+                    # damage, so the read goes on from another copy and nothing is rewritten.
+                    if recoveries > 2 * len(self.tiers):
+                        raise
+                    index = self._next_holder(sha256, excluded)
+                    chunks = None
+                    continue
+                found = str(error) if isinstance(error, IntegrityError) else f"missing: {error}"
+                at = resume if served else resume - resume % CHUNK_SIZE
                 if recoveries > 2 * len(self.tiers):
                     # Copies that verify yet fail when read (a failing disk): give up rather
                     # than go round the tiers for ever.
@@ -333,6 +518,81 @@ class TierManager(Closing):
                 chunks = None
                 if end is not None and resume >= end and served:
                     return
+
+    def _next_holder(self, sha256: Digest, excluded: set[int]) -> int:
+        """The first tier not excluded that holds a copy."""
+        for index, tier in enumerate(self.tiers):
+            if index not in excluded and not tier.find_missing([sha256]):
+                return index
+        raise NotFound(f"blob {sha256} is on no tier")
+
+    def _promote_later(self, sha256: Digest) -> None:
+        with self._promoter_lock:
+            if sha256 in self._promotions:
+                return
+            self._promotions.add(sha256)
+            if self._promoter is None:
+                self._promoter = threading.Thread(
+                    target=self._run_promotions, name="tier-promote", daemon=True
+                )
+                self._promoter.start()
+        self._promotion_queue.put(sha256)
+
+    def _run_promotions(self) -> None:
+        while (sha256 := self._promotion_queue.get()) is not None:
+            try:
+                self.promote_now(sha256)
+            except (VaultError, OSError) as error:
+                log.warning("could not promote %s to %s: %s", sha256, self.names[0], error)
+            finally:
+                with self._promoter_lock:
+                    self._promotions.discard(sha256)
+
+    def promote_now(self, sha256: Digest) -> bool:
+        """Copy a blob into the first tier from the first later tier whose copy reads whole
+        (each chunk checked as read, the digest on commit); False if it was already there."""
+        first = self.tiers[0]
+        if not first.find_missing([sha256]):
+            return False
+        error: Exception | None = None
+        for index in range(1, len(self.tiers)):
+            try:
+                info = _copy(sha256, self.tiers[index], first)
+            except (NotFound, IntegrityError) as failed:
+                error = error or failed
+                continue
+            self.journal.place(
+                sha256, self.names[0], size=info.size, last_read=time.time(), verified=time.time()
+            )
+            log.info("promoted %s to %s from %s", sha256, self.names[0], self.names[index])
+            return True
+        raise error or NotFound(f"blob {sha256} is on no tier")
+
+    def placements(self, sha256: Digest) -> list[Placement]:
+        """The blob's copies as journaled: where each is and when it was last verified."""
+        self.journal.flush_reads()
+        return self.journal.placements(sha256)
+
+    def adopt(self, names: Iterable[str] | None = None) -> int:
+        """Journal every copy on the named tiers (default: all) that the journal does not
+        know, such as blobs stored before the journal kept placements; returns how many."""
+        wanted = set(self.names if names is None else names)
+        known: dict[str, set[Digest]] = {}
+        for placement in self.journal.placements():
+            known.setdefault(placement.tier, set()).add(placement.digest)
+        adopted = 0
+        for name, tier in zip(self.names, self.tiers, strict=True):
+            if name not in wanted:
+                continue
+            for digest in tier.digests():
+                if digest in known.get(name, ()):
+                    continue
+                info = tier.info(digest)
+                if info is None:
+                    continue
+                self.journal.place(digest, name, size=info.size)
+                adopted += 1
+        return adopted
 
     def _recover(self, sha256: Digest, faults: list[_Fault], excluded: set[int]) -> int:
         """Rewrite every faulty copy from the first other tier whose copy verifies, and return
@@ -389,7 +649,7 @@ class TierManager(Closing):
                     continue
                 outcome.info = outcome.info or info
                 good.append(index)
-                self.journal.place(sha256, self.names[index])
+                self.journal.place(sha256, self.names[index], size=info.size, verified=time.time())
             self._count(faults=len(outcome.faults))
             if not outcome.faults:
                 return outcome
@@ -416,14 +676,14 @@ class TierManager(Closing):
             try:
                 with contextlib.suppress(NotFound):
                     target.delete(sha256)
-                _copy(sha256, self.tiers[source], target)
+                info = _copy(sha256, self.tiers[source], target)
             except (VaultError, OSError) as error:
                 self.journal.record(
                     sha256, name, fault.offset, fault.found, f"rewrite failed: {error}"
                 )
                 self._count(failed_rewrites=1)
                 continue
-            self.journal.place(sha256, name)
+            self.journal.place(sha256, name, size=info.size, verified=time.time())
             self._count(repaired=1)
             repaired += 1
         return repaired
@@ -466,12 +726,13 @@ class TierManager(Closing):
             self.stats.failed_rewrites += failed_rewrites
 
 
-def _copy(sha256: Digest, source: BlobStore, target: BlobStore) -> None:
+def _copy(sha256: Digest, source: BlobStore, target: BlobStore) -> BlobInfo:
     """Stream a blob from one tier into another; the commit re-checks the whole digest."""
     with target.writer() as writer:
         for chunk in source.read(sha256):
             writer.write(chunk.data)
-        writer.commit(sha256)
+        info, _ = writer.commit(sha256)
+    return info
 
 
 def _data_loss(sha256: Digest, names: list[str], faults: list[_Fault]) -> IntegrityError:
@@ -487,7 +748,7 @@ def _data_loss(sha256: Digest, names: list[str], faults: list[_Fault]) -> Integr
 class _PlacingWriter(BlobWriter):
     """The first tier's writer, which also records the placement once the blob is committed."""
 
-    def __init__(self, inner: BlobWriter, place: Callable[[Digest], None]) -> None:
+    def __init__(self, inner: BlobWriter, place: Callable[[BlobInfo], None]) -> None:
         self._inner = inner
         self._place = place
 
@@ -496,7 +757,7 @@ class _PlacingWriter(BlobWriter):
 
     def commit(self, expected: Digest | None = None) -> tuple[BlobInfo, bool]:
         info, created = self._inner.commit(expected)
-        self._place(info.sha256)
+        self._place(info)
         return info, created
 
     def abort(self) -> None:
