@@ -10,8 +10,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from cli.config import Config
 from vault.client import VaultClient
+from vault.config import Config
 from vault.dataset import add_dataset, checkout_dataset, diff_datasets
 from vault.digest import Digest
 

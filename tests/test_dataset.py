@@ -285,3 +285,24 @@ def test_a_corrupt_blob_fails_the_checkout_and_leaves_the_target_untouched(
     line = vault_server.run("dataset", "checkout", digest, str(target)).error_line()
     assert "DATA_LOSS" in line, line
     assert list(target.iterdir()) == []
+
+
+def test_thousands_of_small_files_go_in_batches_and_round_trip(
+    vault_server: VaultServer, tmp_path: Path
+) -> None:
+    source = tmp_path / "many"
+    for n in range(3000):
+        # Some files share their bytes: each is stored once and both paths check out.
+        write(
+            source,
+            f"part-{n // 500}/f{n:05d}.bin",
+            os.urandom(1 + n % 700) if n % 7 else b"%d" % (n % 3),
+        )
+    write(source, "big.bin", os.urandom(3 * 1024 * 1024))
+    result = add(vault_server, source)
+    digest = str(result["digest"])
+
+    target = tmp_path / "checkout"
+    vault_server.run("dataset", "checkout", digest, str(target)).ok()
+    assert tree(target) == tree(source)
+    assert add(vault_server, source)["digest"] == digest

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.tier_contract import LARGE, TierContract, content, read_all
+from tiers import hot
 from tiers.hot import SLOT, SLOTS, SYNC_EVERY, HotTier
 from vault.digest import Digest, sha256_of
 from vault.errors import IntegrityError
@@ -173,6 +174,98 @@ def test_failed_and_aborted_writes_leave_no_temp_file_or_thread(tier: HotTier) -
     assert temp_files(tier) == []
     assert threading.active_count() == threads_before
     assert list(tier.digests()) == []
+
+
+def test_a_batch_syncs_once_then_links_then_syncs_the_names(
+    tier: HotTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+    real_link = os.link
+
+    def link(*args: Any, **kwargs: Any) -> None:
+        events.append("link")
+        real_link(*args, **kwargs)
+
+    monkeypatch.setattr(hot, "_syncfs", lambda fd: events.append("syncfs"))
+    monkeypatch.setattr(os, "link", link)
+    blobs = [content(5000 + n, seed=n) for n in range(49)] + [content(LARGE)]
+
+    results = tier.put_batch((data, sha256_of(data)) for data in blobs)
+
+    assert events == ["syncfs"] + ["link"] * 50 + ["syncfs"]
+    assert all(isinstance(r, tuple) and r[1] for r in results)
+    assert temp_files(tier) == []
+    # Only a blob of several chunks needs its list kept beside it.
+    assert [chunks_file(tier, sha256_of(data)).exists() for data in blobs] == [False] * 49 + [True]
+
+
+def test_a_one_chunk_blob_without_a_list_is_read_verified_and_never_given_one(
+    tier: HotTier,
+) -> None:
+    data = content(CHUNK_SIZE)
+    [result] = tier.put_batch([(data, None)])
+    assert isinstance(result, tuple)
+    info = result[0]
+    assert get_bytes(tier, info.sha256) == data
+    assert tier.info(info.sha256) == info
+    assert tier.verify(info.sha256) == info
+    assert not chunks_file(tier, info.sha256).exists()
+    flip_byte(blob_file(tier, info.sha256), 17)
+    with pytest.raises(IntegrityError, match=str(info.sha256)):
+        read_all(tier, info.sha256)
+    with pytest.raises(IntegrityError):
+        tier.verify(info.sha256)
+
+
+def test_without_syncfs_a_batch_syncs_each_file_before_linking_then_each_folder(
+    tier: HotTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+    real = {name: getattr(os, name) for name in ("fdatasync", "fsync", "link")}
+
+    def recording(name: str) -> Callable[..., Any]:
+        def record(*args: Any, **kwargs: Any) -> Any:
+            events.append(name)
+            return real[name](*args, **kwargs)
+
+        return record
+
+    monkeypatch.setattr(hot, "_syncfs", None)
+    for name in real:
+        monkeypatch.setattr(os, name, recording(name))
+    blobs = [content(100, seed=n) for n in range(5)]
+
+    results = tier.put_batch((data, None) for data in blobs)
+    monkeypatch.undo()
+
+    assert events[:6] == ["fdatasync"] * 5 + ["link"]
+    assert events[-1] == "fsync" and events.count("link") == 5
+    assert [get_bytes(tier, sha256_of(data)) for data in blobs] == blobs
+    assert all(isinstance(r, tuple) and r[1] for r in results)
+
+
+def test_a_failed_batch_leaves_nothing(tier: HotTier) -> None:
+    def blobs() -> Iterator[tuple[bytes, Digest | None]]:
+        yield content(100), None
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tier.put_batch(blobs())
+    assert temp_files(tier) == []
+    assert list(tier.digests()) == []
+
+
+def test_a_crashed_batch_is_removed_at_open_and_a_live_one_kept(tier: HotTier) -> None:
+    crashed = tier.root / "tmp" / f"0123{hot.BATCH_SUFFIX}"
+    crashed.mkdir()
+    (crashed / ("ab" * 32)).write_bytes(b"half a blob")
+    fd, live = tier._temp_folder()
+    try:
+        HotTier(tier.root)
+        assert temp_files(tier) == [os.path.basename(live)]
+    finally:
+        hot._remove_folder(fd, live)
+    assert temp_files(tier) == []
 
 
 def test_a_duplicate_put_leaves_no_temp_file(tier: HotTier) -> None:

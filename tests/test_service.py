@@ -5,6 +5,7 @@ ever sent."""
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import threading
 from collections.abc import Callable
@@ -18,7 +19,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from tests.services.vault_server import VaultServer
-from vault.errors import IntegrityError
+from vault.client import read_all
+from vault.errors import IntegrityError, NotFound
 from vault.storage import CHUNK_SIZE
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
@@ -276,3 +278,71 @@ def test_no_call_changes_or_deletes_an_entry(channel: Any) -> None:
         "ReadCheckpoints",
     }
     assert ledger == appends | reads, "a new ledger call must be reviewed: entries never change"
+
+
+# -- batched puts ------------------------------------------------------------------------------
+
+
+def _sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _hot_files(server: VaultServer) -> tuple[set[str], list[str]]:
+    """Every file under the hot tier's blobs/, and whatever is in its tmp/."""
+    blobs = next(server.data_dir.rglob("blobs"))
+    stored = {p.name for p in blobs.rglob("*") if p.is_file()}
+    return stored, sorted(os.listdir(blobs.parent / "tmp"))
+
+
+def test_a_batch_put_stores_every_blob_durably_and_visibly(server: VaultServer) -> None:
+    blobs = [b"batch blob %d " % n * (n + 1) for n in range(300)] + [b""]
+    with server.client() as client:
+        results = client.put_many(blobs, expected=[_sha256(data) for data in blobs])
+        assert [r.created for r in results] == [True] * len(blobs)
+        assert [str(r.blob.sha256) for r in results] == [_sha256(data) for data in blobs]
+        assert client.find_missing([_sha256(data) for data in blobs]) == []
+        for data, result in zip(blobs[::50], results[::50], strict=True):
+            assert client.stat(str(result.blob.blake3)).blob == result.blob
+            assert read_all(client.open(str(result.blob.sha256))) == data
+        stored, temp = _hot_files(server)
+        assert temp == []
+
+        again = client.put_many(blobs)
+
+    assert [(r.blob, r.created) for r in again] == [(r.blob, False) for r in results]
+    assert _hot_files(server) == (stored, [])
+
+
+def test_a_batch_blob_not_matching_its_digest_is_refused_by_name_leaving_nothing(
+    server: VaultServer,
+) -> None:
+    good, bad, claimed = b"good batch blob", b"bad batch blob", b"what bad claims to be"
+    before, _ = _hot_files(server)
+    with server.client() as client:
+        with pytest.raises(IntegrityError) as raised:
+            client.put_many([good, bad], expected=[_sha256(good), _sha256(claimed)])
+        message = str(raised.value)
+        assert "blob 1" in message and _sha256(claimed) in message and _sha256(bad) in message
+        assert "\n" not in message
+        assert client.find_missing([_sha256(bad), _sha256(good)]) == [_sha256(bad)]
+        with pytest.raises(NotFound):
+            client.stat(_sha256(bad))
+    stored, temp = _hot_files(server)
+    assert temp == []
+    assert stored - before == {_sha256(good)[7:]}
+
+
+def test_a_batch_refuses_an_oversized_blob_and_stores_nothing(channel: Any) -> None:
+    small = b"stored before the oversized one"
+    huge = bytes(4 * 1024 * 1024 + 1)
+    requests = [
+        pb.PutBatchRequest(blobs=[pb.PutBatchBlob(data=small)]),
+        pb.PutBatchRequest(blobs=[pb.PutBatchBlob(data=huge)]),
+    ]
+    store = rpc.StoreStub(channel)
+    with pytest.raises(grpc.RpcError) as raised:
+        store.PutBatch(iter(requests))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "blob 1 of the batch" in (raised.value.details() or "")
+    missing = store.FindMissing(pb.FindMissingRequest(digests=[_sha256(small)])).missing
+    assert list(missing) == [_sha256(small)]

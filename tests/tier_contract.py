@@ -21,6 +21,7 @@ from vault.storage import (
     ChunkList,
     get_bytes,
     put_bytes,
+    put_many,
     read_range,
 )
 
@@ -380,3 +381,52 @@ class TierContract:
         self.corrupt(store, info.sha256, 0)
         with pytest.raises(IntegrityError, match="offset 0"):
             read_all(store, info.sha256)
+
+    # -- batches (storage.put_many: a store's own batch, or one writer per blob) --------------
+
+    def test_a_batch_stores_every_blob_and_reports_each_in_order(self, store: BlobStore) -> None:
+        old = put_bytes(store, content(300, seed=1))
+        sizes = [0, 1, 4096, CHUNK_SIZE, CHUNK_SIZE + 1, 300]
+        blobs = [content(size, seed=size + 7) for size in sizes[:-1]] + [content(300, seed=1)]
+        twice = blobs[2]
+
+        results = put_many(store, [(data, None) for data in [*blobs, twice]])
+
+        assert [result[1] for result in results if isinstance(result, tuple)] == [
+            True, True, True, True, True, False, False
+        ]  # fmt: skip
+        for data, result in zip([*blobs, twice], results, strict=True):
+            assert isinstance(result, tuple)
+            info = result[0]
+            assert info == BlobInfo(sha256_of(data), blake3_of(data), len(data))
+            assert store.info(info.sha256) == info
+            assert get_bytes(store, info.sha256) == data
+            assert store.chunk_list(info.sha256).info == info
+            assert store.verify(info.sha256) == info
+        assert results[-2] == (old, False)
+        assert set(store.digests()) == {sha256_of(data) for data in blobs}
+
+    @pytest.mark.parametrize("algorithm", ["sha256", "blake3"])
+    def test_a_batch_refuses_a_mismatched_blob_alone_and_leaves_nothing_of_it(
+        self, store: BlobStore, algorithm: str
+    ) -> None:
+        good, bad, other = content(1000, seed=1), content(2000, seed=2), content(2000, seed=3)
+        of = sha256_of if algorithm == "sha256" else blake3_of
+
+        results = put_many(store, [(good, of(good)), (bad, of(other)), (good, None)])
+
+        assert isinstance(results[1], IntegrityError)
+        assert str(of(other)) in str(results[1]) and str(of(bad)) in str(results[1])
+        assert results[0] == (BlobInfo(sha256_of(good), blake3_of(good), 1000), True)
+        assert results[2] == (results[0][0], False)
+        assert store.info(sha256_of(bad)) is None
+        assert store.find_missing([sha256_of(bad), sha256_of(good)]) == [sha256_of(bad)]
+        assert list(store.digests()) == [sha256_of(good)]
+
+    def test_a_batch_of_stored_blobs_creates_nothing(self, store: BlobStore) -> None:
+        blobs = [content(100 + n, seed=n) for n in range(20)]
+        first = put_many(store, [(data, sha256_of(data)) for data in blobs])
+        again = put_many(store, [(data, sha256_of(data)) for data in blobs])
+        assert all(isinstance(result, tuple) and result[1] for result in first)
+        assert again == [(result[0], False) for result in first if isinstance(result, tuple)]
+        assert set(store.digests()) == {sha256_of(data) for data in blobs}

@@ -4,6 +4,7 @@ beside its chunk list, written durably and checked chunk by chunk on every read.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -11,16 +12,22 @@ import mmap
 import os
 import queue
 import secrets
+import sys
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Final
+
+import blake3
 
 from tiers.files import fsync_dir, write_all
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound
 from vault.storage import (
     CHUNK_SIZE,
+    BatchBlob,
+    BatchPut,
+    BatchResult,
     BlobHasher,
     BlobInfo,
     BlobWriter,
@@ -32,6 +39,8 @@ from vault.storage import (
 )
 
 CHUNKS_SUFFIX: Final = ".chunks"
+# A batched put stages its files in a folder of tmp/ with this suffix.
+BATCH_SUFFIX: Final = ".batch"
 
 # Direct I/O needs page-aligned buffers, lengths and offsets; 4 KiB suits 512-byte and
 # 4 KiB-sector devices alike.
@@ -57,12 +66,13 @@ READ_BLOCKS_AHEAD: Final = 4
 _O_DIRECT: Final[int] = getattr(os, "O_DIRECT", 0)
 
 
-class HotTier:
+class HotTier(BatchPut):
     """A BlobStore on a local folder::
 
         root/blobs/<hex[:2]>/<hex>          the blob's bytes, uncompressed
-        root/blobs/<hex[:2]>/<hex>.chunks   its encoded ChunkList
-        root/tmp/                           writes in progress
+        root/blobs/<hex[:2]>/<hex>.chunks   its encoded ChunkList (none for a one-chunk blob
+                                            stored by a batch: see _Batch)
+        root/tmp/                           writes in progress (a batch: a folder of them)
 
     A blob is visible once its file is linked into blobs/, which happens only after its bytes
     and chunk list are on disk. Files left in tmp/ by a crash are removed at open; files still
@@ -103,6 +113,13 @@ class HotTier:
 
     def writer(self) -> HotWriter:
         return HotWriter(self)
+
+    def put_batch(self, blobs: Iterable[BatchBlob]) -> list[BatchResult]:
+        """Many small blobs with shared syncs; see _Batch."""
+        with _Batch(self) as batch:
+            for data, expected in blobs:
+                batch.add(data, expected)
+            return batch.commit()
 
     def delete(self, sha256: Digest) -> None:
         blob = self._blob_path(sha256)
@@ -152,7 +169,8 @@ class HotTier:
         except (FileNotFoundError, IntegrityError):
             stored = None
         # The bytes hash to their address, so they are right and a disagreeing list is not.
-        if stored != found:
+        # A one-chunk blob may have none at all (see _Batch).
+        if stored != found and (stored is not None or found.count > 1):
             self._write_chunk_list(blob, found)
         return found.info
 
@@ -179,12 +197,18 @@ class HotTier:
         bytes still hash to their digest."""
         if not blob.exists():
             raise NotFound(f"blob {sha256} is not in the hot tier")
+        missing = False
         try:
             return ChunkList.decode(_chunks_path(blob).read_bytes(), sha256)
-        except (FileNotFoundError, IntegrityError):
+        except FileNotFoundError:
+            missing = True
+        except IntegrityError:
             pass
         chunks = self._hash_stored_copy(sha256, blob)
-        self._write_chunk_list(blob, chunks)
+        # A one-chunk blob stored by a batch has no list: the list is its two digests, which
+        # hashing its bytes (as reading it does anyway) gives back.
+        if not missing or chunks.count > 1:
+            self._write_chunk_list(blob, chunks)
         return chunks
 
     def _hash_stored_copy(self, sha256: Digest, blob: Path) -> ChunkList:
@@ -278,8 +302,32 @@ class HotTier:
                 raise
             os.close(fd)
 
+    def _temp_folder(self) -> tuple[int, str]:
+        """A new folder in tmp/ for a batch, flocked (through the returned descriptor) for as
+        long as it is open, as _temp_file does for one file."""
+        while True:
+            path = str(self._tmp / f"{secrets.token_hex(12)}{BATCH_SUFFIX}")
+            try:
+                os.mkdir(path, 0o700)
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            except (FileExistsError, FileNotFoundError):
+                continue  # a name taken, or the folder cleaned up by another process at once
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.fstat(fd).st_nlink:
+                    return fd, path
+            except BlockingIOError:
+                pass
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+
     def _remove_leftovers(self) -> None:
         for entry in os.scandir(self._tmp):
+            if entry.name.endswith(BATCH_SUFFIX) and entry.is_dir(follow_symlinks=False):
+                self._remove_leftover_batch(entry.path)
+                continue
             if not entry.is_file(follow_symlinks=False):
                 continue
             try:
@@ -295,6 +343,18 @@ class HotTier:
                     os.unlink(entry.path)
             finally:
                 os.close(fd)
+
+    def _remove_leftover_batch(self, path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # a batch in progress elsewhere
+            return
+        _remove_folder(fd, path)
 
     def _probe_direct_io(self) -> bool:
         """Whether this file system takes aligned direct writes (tmpfs, for one, does not)."""
@@ -322,6 +382,9 @@ class HotTier:
         """Make a temp blob durable and link it into place; False if it was already there."""
         blob = self._blob_path(chunks.sha256)
         if blob.exists():
+            # The put that linked it may not have synced the folder yet; this one answers
+            # too, so it syncs it (nearly free when there is nothing left to write).
+            fsync_dir(blob.parent)
             return False
         temp.make_durable(chunks.size)
         # The chunk list goes first: a blob seen without one would cost a full re-read.
@@ -330,10 +393,159 @@ class HotTier:
             # link, not rename: it fails if a concurrent put of the same bytes got there
             # first, so exactly one of them reports the blob as newly stored.
             os.link(temp.path, blob)
+            created = True
         except FileExistsError:
-            return False
+            created = False
         fsync_dir(blob.parent)
-        return True
+        return created
+
+
+class _Batch:
+    """One put_batch. Each new blob's bytes (and the chunk list of a blob of several chunks)
+    are written to plain files in a folder of its own in tmp/, and nothing else happens per
+    blob; then:
+
+    1. one barrier makes all of them durable: syncfs(2) of the file system, one device flush
+       for the whole batch where a sync per file costs a flush (and a journal commit) each:
+       here about 30 ms for 1,000 small files against 0.4 ms a file (fdatasync per file
+       where syncfs is not to be trusted);
+    2. each is moved into blobs/, chunk list first, the blob by link(2) as single puts do;
+    3. a second syncfs makes the new names durable (without it, each folder a blob went to
+       is synced once; so is each folder of a blob found already stored, in any case).
+
+    Only then does commit return, so a blob is acknowledged (and catalogued above) only once
+    it is durable. A blob whose bytes do not match its expected digest is refused before
+    anything of it is written. On any error the folder and whatever is in it are removed.
+
+    A blob of one chunk gets no chunk-list file: its list holds nothing but its two digests,
+    which a read recomputes from the bytes it reads anyway, while a second file per blob
+    would double what a batch of small blobs costs the file system (an inode, a page of
+    cache, a rename): measured, a third of the whole put.
+    """
+
+    def __init__(self, tier: HotTier) -> None:
+        self._tier = tier
+        self._fd, self._path = tier._temp_folder()
+        self._results: list[BatchResult | None] = []
+        # Result index and chunk list of each blob written to the folder, by digest.
+        self._staged: dict[Digest, tuple[int, ChunkList]] = {}
+        # Folders of blobs found already stored: synced too, in case the put that linked them
+        # has not synced them yet (it has not answered yet either), as this batch will answer.
+        self._folders: set[Path] = set()
+        self._sync_each = _syncfs is None
+
+    def __enter__(self) -> _Batch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _remove_folder(self._fd, self._path)
+
+    def add(self, data: bytes | memoryview, expected: Digest | None) -> None:
+        chunks = _chunk_list_of(data)
+        if expected is not None:
+            try:
+                check_expected(expected, chunks.info)
+            except IntegrityError as refused:
+                self._results.append(refused)
+                return
+        blob = self._tier._blob_path(chunks.sha256)
+        if chunks.sha256 in self._staged or blob.exists():
+            self._folders.add(blob.parent)
+            self._results.append((chunks.info, False))
+            return
+        name = chunks.sha256.hex
+        self._write(name, data)
+        if chunks.count > 1:
+            self._write(name + CHUNKS_SUFFIX, chunks.encode())
+        self._staged[chunks.sha256] = (len(self._results), chunks)
+        self._results.append(None)
+
+    def commit(self) -> list[BatchResult]:
+        if self._staged and _syncfs is not None:
+            _syncfs(self._fd)
+        folders = self._folders
+        for index, chunks in self._staged.values():
+            name = chunks.sha256.hex
+            blob = self._tier._blob_path(chunks.sha256)
+            if chunks.count > 1:
+                os.replace(name + CHUNKS_SUFFIX, _chunks_path(blob), src_dir_fd=self._fd)
+            try:
+                os.link(name, blob, src_dir_fd=self._fd)
+                created = True
+            except FileExistsError:
+                created = False  # a concurrent put of the same bytes got there first
+            folders.add(blob.parent)
+            self._results[index] = (chunks.info, created)
+        if _syncfs is not None and self._staged:
+            # One more syncfs makes every new name durable at once: cheaper than a sync of
+            # each of up to 256 folders.
+            _syncfs(self._fd)
+        else:
+            for folder in folders:
+                fsync_dir(folder)
+        results = [result for result in self._results if result is not None]
+        assert len(results) == len(self._results)
+        return results
+
+    def _write(self, name: str, data: bytes | memoryview) -> None:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=self._fd)
+        try:
+            write_all(fd, data)
+            if self._sync_each:
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+
+def _chunk_list_of(data: bytes | memoryview) -> ChunkList:
+    """The chunk list of a blob held whole in memory, in one pass of each hash."""
+    sha256 = Digest.sha256(hashlib.sha256(data).digest())
+    size = memoryview(data).nbytes
+    if size > CHUNK_SIZE:
+        hasher = ChunkHasher()
+        hasher.update(data)
+        return hasher.chunk_list(sha256)
+    # A blob of one chunk: the chunk's hash is the blob's BLAKE3, so one BLAKE3 pass is enough.
+    whole = blake3.blake3(data).digest()
+    return ChunkList(CHUNK_SIZE, size, sha256, Digest.blake3(whole), (whole,) if size else ())
+
+
+def _remove_folder(fd: int, path: str) -> None:
+    """Remove a batch folder (its files, then itself) and close its descriptor."""
+    try:
+        for name in os.listdir(fd):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(path)
+    finally:
+        os.close(fd)
+
+
+def _load_syncfs() -> Callable[[int], None] | None:
+    """syncfs(2) from libc, where it can vouch for durability: Linux 5.8 and later. Before
+    5.8 it returned 0 even when writing some file back had failed."""
+    if sys.platform != "linux":
+        return None
+    try:
+        version = tuple(int(part) for part in os.uname().release.split(".")[:2])
+        function = ctypes.CDLL(None, use_errno=True).syncfs
+    except (ValueError, OSError, AttributeError):
+        return None
+    if version < (5, 8):
+        return None
+    function.argtypes = [ctypes.c_int]
+    function.restype = ctypes.c_int
+
+    def syncfs(fd: int) -> None:
+        if function(fd) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"syncfs: {os.strerror(code)}")
+
+    return syncfs
+
+
+_syncfs: Final = _load_syncfs()
 
 
 class HotWriter(BlobWriter):

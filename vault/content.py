@@ -17,7 +17,7 @@ from vault import db as tables
 from vault.db import Database, Writer
 from vault.digest import Digest, check_digest
 from vault.errors import IntegrityError, InvalidArgument, NotFound, VaultError
-from vault.storage import BlobInfo, BlobStore, Chunk
+from vault.storage import BatchBlob, BlobInfo, BlobStore, Chunk, put_many
 
 _QUERY_BATCH: Final = 450
 
@@ -37,6 +37,10 @@ class BlobCheck:
     failure: str = ""
 
 
+# A catalog row: sha256, blake3, size, stored_at.
+_Row = tuple[str, str, int, str]
+
+
 class _Catalogue:
     """Records stored blobs in the catalog, durably, many puts to one commit: concurrent puts
     share one transaction and one sync instead of queueing for the database's write lock."""
@@ -48,16 +52,21 @@ class _Catalogue:
 
     def __init__(self, db: Database) -> None:
         self._writer = Writer(db)
-        self._queue: queue.SimpleQueue[tuple[tuple[str, str, int, str], Future[None]] | None] = (
-            queue.SimpleQueue()
-        )
+        self._queue: queue.SimpleQueue[tuple[list[_Row], Future[None]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="catalog-writer", daemon=True)
         self._thread.start()
 
     def record(self, info: BlobInfo, stored_at: str) -> None:
         """Returns once the row is committed."""
+        self.record_many([info], stored_at)
+
+    def record_many(self, infos: Iterable[BlobInfo], stored_at: str) -> None:
+        """Returns once every row is committed, all in one transaction."""
+        rows = [(str(info.sha256), str(info.blake3), info.size, stored_at) for info in infos]
+        if not rows:
+            return
         done: Future[None] = Future()
-        self._queue.put(((str(info.sha256), str(info.blake3), info.size, stored_at), done))
+        self._queue.put((rows, done))
         done.result()
 
     def _run(self) -> None:
@@ -75,7 +84,7 @@ class _Catalogue:
                 batch.append(more)
             try:
                 with self._writer.begin() as tx:
-                    tx.many(self._INSERT, [row for row, _ in batch])
+                    tx.many(self._INSERT, [row for rows, _ in batch for row in rows])
             except BaseException as exc:  # every waiting put must hear of it
                 for _, done in batch:
                     done.set_exception(exc)
@@ -113,6 +122,24 @@ class Content:
         assert found is not None
         return found, created
 
+    def put_many(
+        self, blobs: Iterable[BatchBlob]
+    ) -> list[tuple[StoredBlob, bool] | IntegrityError]:
+        """Store many small blobs with shared syncs (storage.put_many), then catalogue every
+        stored one in one transaction: each is visible only once durable. One result per blob,
+        in order: the blob and whether it was newly stored, or the IntegrityError refusing it
+        (it left nothing, in the store or the catalog)."""
+        results = put_many(self.store, blobs)
+        infos = [result[0] for result in results if not isinstance(result, IntegrityError)]
+        # Blobs the store already held are recorded too: a crash may have come between a
+        # put's store commit and its catalog commit.
+        self._catalogue.record_many(infos, datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
+        found = self._find_many([info.sha256 for info in infos])
+        return [
+            result if isinstance(result, IntegrityError) else (found[result[0].sha256], result[1])
+            for result in results
+        ]
+
     # ------------------------------------------------------------------ reads
 
     _FIND = "SELECT sha256, blake3, size, stored_at FROM blobs WHERE {} = ?"
@@ -123,6 +150,20 @@ class Content:
             return None
         sha, b3, size, stored_at = rows[0]
         return StoredBlob(BlobInfo(Digest.parse(sha), Digest.parse(b3), size), stored_at)
+
+    _FIND_MANY = "SELECT sha256, blake3, size, stored_at FROM blobs WHERE sha256 IN ({})"
+
+    def _find_many(self, sha256s: list[Digest]) -> dict[Digest, StoredBlob]:
+        """The catalogued blobs among these sha256 digests, by digest."""
+        found: dict[Digest, StoredBlob] = {}
+        unique = list(dict.fromkeys(str(d) for d in sha256s))
+        for start in range(0, len(unique), _QUERY_BATCH):
+            part = unique[start : start + _QUERY_BATCH]
+            sql = self._FIND_MANY.format(tables.placeholders(len(part)))
+            for sha, b3, size, stored_at in self.db.fetch(sql, part):
+                info = BlobInfo(Digest.parse(sha), Digest.parse(b3), size)
+                found[info.sha256] = StoredBlob(info, stored_at)
+        return found
 
     def get(self, digest: Digest) -> StoredBlob:
         found = self.find(digest)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import re
 import secrets
 import shutil
+import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,7 +18,7 @@ from typing import Any, Final
 
 from vault.client import ProvenEntry, VaultClient
 from vault.digest import Digest
-from vault.entry import canonical_json
+from vault.entry import canonical_json, load_json_object
 from vault.errors import IntegrityError, InvalidArgument
 
 MANIFEST_VERSION: Final = 1
@@ -29,6 +29,15 @@ MAX_SIZE: Final = 2**53 - 1
 FIND_MISSING_BATCH: Final = 10_000
 PUTS_IN_FLIGHT: Final = 8
 HASH_BLOCK: Final = 1 << 20
+# Files this small go to the vault in batches (put_many), which share the vault's syncs: a
+# small file costs a round trip and syncs, not bytes. Larger files are streamed one by one.
+SMALL_FILE: Final = 1 << 20
+BATCH_FILES: Final = 1000
+BATCH_BYTES: Final = 32 << 20
+# A few batches in flight: while one is read and hashed here, the vault stores another.
+BATCHES_IN_FLIGHT: Final = 3
+# Hashing threads: hashlib and the file reads release the GIL.
+HASH_THREADS: Final = 4
 
 _MANIFEST_FIELDS: Final = frozenset({"v", "files"})
 _FILE_FIELDS: Final = frozenset({"path", "size", "mode", "sha256"})
@@ -143,34 +152,10 @@ def encode_manifest(manifest: Manifest) -> bytes:
     return canonical_json({"v": MANIFEST_VERSION, "files": [f.as_json() for f in manifest.files]})
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise InvalidArgument(f"dataset manifest: key {key!r} appears twice in an object")
-        obj[key] = value
-    return obj
-
-
-def _reject_constant(name: str) -> Any:
-    raise InvalidArgument(f"dataset manifest: {name} is not JSON")
-
-
 def decode_manifest(data: bytes) -> Manifest:
     """Parse and validate manifest bytes; anything malformed or not canonical is refused with
     a message that names the problem."""
-    try:
-        obj = json.loads(
-            data.decode("utf-8"),
-            object_pairs_hook=_no_duplicate_keys,
-            parse_constant=_reject_constant,
-        )
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidArgument(f"dataset manifest is not UTF-8 JSON: {exc}") from None
-    except RecursionError:
-        raise InvalidArgument("dataset manifest is nested too deeply") from None
-    if not isinstance(obj, dict):
-        raise InvalidArgument("dataset manifest is not a JSON object")
+    obj = load_json_object("dataset manifest", data, MAX_MANIFEST_BYTES)
     unknown = sorted(set(obj) - _MANIFEST_FIELDS)
     if unknown:
         raise InvalidArgument(f"dataset manifest: unknown field {unknown[0]!r}")
@@ -243,24 +228,49 @@ def _tree_error(root: Path, path: Path, message: str) -> InvalidArgument:
 def scan_tree(root: Path) -> list[FileEntry]:
     """Every regular file under `root`, hashed. Symlinks are refused (one escaping the tree
     is named as such), as is anything that is neither a file nor a folder."""
+    listed = _list_tree(root)
+    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+        return [entry for entry, _ in pool.map(lambda file: _read_file(root, file), listed)]
+
+
+@dataclass(frozen=True, slots=True)
+class _Listed:
+    """A file found by the walk: its manifest path, its path here, its size as listed. Plain
+    strings, not Path: pathlib's parsing costs more than hashing a small file."""
+
+    name: str
+    path: str
+    size: int
+
+
+def _list_tree(root: Path) -> list[_Listed]:
+    """Every regular file under `root`, in walk order; anything that cannot be in a dataset is
+    refused here, before a byte is read or sent."""
     if not root.is_dir():
         raise InvalidArgument(f"dataset {root}: not a folder")
-    files: list[FileEntry] = []
-    pending = [root]
+    files: list[_Listed] = []
+    pending = [(str(root), "")]
     while pending:
-        folder = pending.pop()
+        folder, prefix = pending.pop()
         with os.scandir(folder) as it:
             children = sorted(it, key=lambda e: e.name)
         for child in children:
-            path = Path(child.path)
+            name = prefix + child.name
             if child.is_symlink():
-                raise _symlink_error(root, path)
+                raise _symlink_error(root, Path(child.path))
             if child.is_dir(follow_symlinks=False):
-                pending.append(path)
+                pending.append((child.path, name + "/"))
             elif child.is_file(follow_symlinks=False):
-                files.append(_hash_file(root, path))
+                try:
+                    name.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise _tree_error(
+                        root, Path(child.path), "has a name that is not valid UTF-8"
+                    ) from None
+                check_path(name)
+                files.append(_Listed(name, child.path, child.stat(follow_symlinks=False).st_size))
             else:
-                raise _tree_error(root, path, "is neither a regular file nor a folder")
+                raise _tree_error(root, Path(child.path), "is neither a regular file nor a folder")
     return files
 
 
@@ -275,24 +285,29 @@ def _symlink_error(root: Path, path: Path) -> InvalidArgument:
     )
 
 
-def _hash_file(root: Path, path: Path) -> FileEntry:
-    name = path.relative_to(root).as_posix()
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _tree_error(root, path, "has a name that is not valid UTF-8") from None
+def _read_file(root: Path, file: _Listed, *, keep: bool = False) -> tuple[FileEntry, bytes | None]:
+    """The file's entry, hashed; with `keep`, also its bytes, read whole (for small files)."""
     # O_NOFOLLOW: the file was a regular file when listed; refuse it if swapped for a link.
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    digest = hashlib.sha256()
-    size = 0
-    with os.fdopen(fd, "rb") as f:
+    fd = os.open(file.path, os.O_RDONLY | os.O_NOFOLLOW)
+    data: bytes | None = None
+    with os.fdopen(fd, "rb", buffering=0) as f:
         info = os.fstat(f.fileno())
-        while block := f.read(HASH_BLOCK):
-            digest.update(block)
-            size += len(block)
+        if keep:
+            # One read of a byte more than the file has: a file that grew shows it here, one
+            # that shrank by coming up short (a regular file is read whole, short only at EOF).
+            data = f.read(info.st_size + 1)
+            digest = hashlib.sha256(data)
+            size = len(data)
+        else:
+            digest = hashlib.sha256()
+            size = 0
+            while block := f.read(HASH_BLOCK):
+                digest.update(block)
+                size += len(block)
     if size != info.st_size:
-        raise _tree_error(root, path, "changed while it was being read")
-    return FileEntry(name, size, info.st_mode & 0o777, f"sha256:{digest.hexdigest()}")
+        raise _tree_error(root, Path(file.path), "changed while it was being read")
+    entry = FileEntry(file.name, size, info.st_mode & 0o777, f"sha256:{digest.hexdigest()}")
+    return entry, data
 
 
 # ---------------------------------------------------------------------- with a vault
@@ -308,27 +323,84 @@ class AddResult:
 
 
 def add_dataset(client: VaultClient, root: Path, *, name: str | None = None) -> AddResult:
-    """Store the files of `root` the store lacks, then the manifest, and pin the manifest."""
-    manifest = build_manifest(scan_tree(root))
-    by_digest = {f.sha256: f for f in manifest.files}
-    lacking = set(find_missing(client, list(by_digest)))
-    missing = [d for d in by_digest if d in lacking]
+    """Store the files of `root` the store lacks, then the manifest, and pin the manifest.
 
-    def send(digest: str) -> int:
-        f = by_digest[digest]
+    Small files go in batches, each read once: hashed, looked up (FindMissing) and the missing
+    ones sent (put_many) from the same bytes, several batches at a time, so that reading and
+    hashing here overlap with the vault storing. Large files are hashed in the same pass and
+    streamed one by one after."""
+    groups = _groups(_list_tree(root))
+    lock = threading.Lock()
+    # Digests some batch has taken on sending, so that a file's twin is not sent twice.
+    claimed: set[str] = set()
+    large: list[FileEntry] = []
+
+    def claim(lacking: set[str], digest: str) -> bool:
+        with lock:
+            if digest not in lacking or digest in claimed:
+                return False
+            claimed.add(digest)
+            return True
+
+    def process(group: list[_Listed]) -> tuple[list[FileEntry], int, int]:
+        read = [_read_file(root, file, keep=file.size <= SMALL_FILE) for file in group]
+        entries = [entry for entry, _ in read]
+        lacking = set(client.find_missing(list({entry.sha256 for entry in entries})))
+        batch: dict[str, bytes] = {}
+        for entry, data in read:
+            if claim(lacking, entry.sha256):
+                if data is None:
+                    with lock:
+                        large.append(entry)
+                else:
+                    batch[entry.sha256] = data
+        if batch:
+            # `expected` makes the vault refuse bytes that are not what was hashed.
+            client.put_many(list(batch.values()), expected=list(batch))
+        return entries, len(batch), sum(len(data) for data in batch.values())
+
+    files: list[FileEntry] = []
+    sent_files = sent_bytes = 0
+    with ThreadPoolExecutor(max_workers=BATCHES_IN_FLIGHT) as pool:
+        for entries, count, size in pool.map(process, groups):
+            files += entries
+            sent_files += count
+            sent_bytes += size
+
+    def send(f: FileEntry) -> int:
         # `expected` makes the vault refuse a file that changed after it was hashed.
-        client.put(root / f.path, expected=digest)
+        client.put(root / f.path, expected=f.sha256)
         return f.size
 
-    # Small files are bound by round trips, not bytes: keep several puts in flight.
+    # Each large put is bound by bytes, but several in flight still overlap their syncs.
     with ThreadPoolExecutor(max_workers=PUTS_IN_FLIGHT) as pool:
-        sent_bytes = sum(pool.map(send, missing))
+        sent_bytes += sum(pool.map(send, large))
+    sent_files += len(large)
+    manifest = build_manifest(files)
     data = encode_manifest(manifest)
     digest = f"sha256:{hashlib.sha256(data).hexdigest()}"
     client.put(data, expected=digest)
     meta = {"name": name or root.resolve().name or "/", "files": str(len(manifest.files))}
     pin = client.pin("dataset", digest, meta=meta)
-    return AddResult(digest, manifest, len(missing), sent_bytes, pin)
+    return AddResult(digest, manifest, sent_files, sent_bytes, pin)
+
+
+def _groups(listed: Sequence[_Listed]) -> list[list[_Listed]]:
+    """The files in groups of at most BATCH_FILES files and about BATCH_BYTES of small files
+    (large files are not held in memory, so they count for nothing)."""
+    groups: list[list[_Listed]] = []
+    group: list[_Listed] = []
+    size = 0
+    for file in listed:
+        held = file.size if file.size <= SMALL_FILE else 0
+        if group and (len(group) == BATCH_FILES or size + held > BATCH_BYTES):
+            groups.append(group)
+            group, size = [], 0
+        group.append(file)
+        size += held
+    if group:
+        groups.append(group)
+    return groups
 
 
 def find_missing(client: VaultClient, digests: Sequence[str]) -> list[str]:

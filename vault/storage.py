@@ -396,6 +396,32 @@ class BlobWriter(Protocol):
         self.abort()
 
 
+# A small blob of a batch, whole in memory, with the digest (sha256 or blake3) its bytes must
+# have, if any.
+BatchBlob = tuple[bytes | memoryview, Digest | None]
+# What became of one blob of a batch: its info and whether it was newly stored, or the
+# IntegrityError that refused it (its bytes do not match its expected digest).
+BatchResult = tuple[BlobInfo, bool] | IntegrityError
+
+
+class BatchPut:
+    """A store that takes many small blobs in one call and shares its durability barriers
+    (syncs) among them, where single puts pay one each. Use it through `put_many`.
+
+    A store opts in by subclassing, not by having a method of that name: a wrapper that only
+    forwards single puts (a replicating mirror, the tier manager) must not be taken for one,
+    since its batch would skip the wrapper's own work, and the warm tier's `put_many` is
+    another call (no expected digests, nothing refused blob by blob)."""
+
+    def put_batch(self, blobs: Iterable[BatchBlob]) -> list[BatchResult]:
+        """Store every blob whose bytes match its expected digest; one result per blob, in
+        order, returned once every stored blob is durable and visible. A refused blob leaves
+        nothing behind. `blobs` may be consumed lazily; if iterating it raises, or the store
+        fails, the error propagates and nothing of the batch is left but blobs already
+        durable in place."""
+        raise NotImplementedError
+
+
 class Closing:
     """A store that holds resources: `with` closes it."""
 
@@ -460,6 +486,24 @@ def put_bytes(store: BlobStore, data: bytes, *, expected: Digest | None = None) 
         writer.write(data)
         info, _ = writer.commit(expected)
     return info
+
+
+def put_many(store: BlobStore, blobs: Iterable[BatchBlob]) -> list[BatchResult]:
+    """Store many small blobs: in one batch where the store takes batches (BatchPut), else one
+    writer per blob. Each result is the blob's info and whether it was newly stored, or the
+    IntegrityError that refused it; every stored blob is durable when this returns."""
+    if isinstance(store, BatchPut):
+        return store.put_batch(blobs)
+    results: list[BatchResult] = []
+    for data, expected in blobs:
+        with store.writer() as writer:
+            writer.write(data)
+            try:
+                results.append(writer.commit(expected))
+            except IntegrityError as refused:
+                # The writer stored nothing of it; the rest of the batch goes on.
+                results.append(refused)
+    return results
 
 
 def put_file(store: BlobStore, path: Path, *, expected: Digest | None = None) -> BlobInfo:
