@@ -11,12 +11,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Final, NoReturn
 
-from cli import config as config_module
-from cli.config import Config
+from cli.access import add_access_commands
 from cli.dataset import add_dataset_commands
+from cli.mirror import add_mirror_commands
 from cli.progress import Progress
+from cli.run import add_run_commands
+from cli.tier import add_tier_commands
+from vault import config as config_module
 from vault.allocator import keep_freed_buffers
 from vault.client import BlobInfo, ProvenEntry, VaultClient
+from vault.config import Config, open_client
 from vault.digest import Digest
 from vault.entry import KINDS, Entry
 from vault.errors import (
@@ -24,6 +28,9 @@ from vault.errors import (
     IntegrityError,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
+    QuotaExceeded,
+    Unauthenticated,
     Unavailable,
     VaultError,
 )
@@ -37,17 +44,14 @@ _STATUS: Final = (
     (FailedPrecondition, "FAILED_PRECONDITION"),
     (IntegrityError, "DATA_LOSS"),
     (Unavailable, "UNAVAILABLE"),
+    (QuotaExceeded, "RESOURCE_EXHAUSTED"),
+    (Unauthenticated, "UNAUTHENTICATED"),
+    (PermissionDenied, "PERMISSION_DENIED"),
 )
 
 
 def _client(config: Config) -> VaultClient:
-    return VaultClient(
-        config.client.server,
-        state=config.state_path,
-        verifier_key=config.client.verifier_key or None,
-        author=config.client.author or None,
-        timeout=config.client.timeout or None,
-    )
+    return open_client(config)
 
 
 def _blob_dict(blob: BlobInfo) -> dict[str, Any]:
@@ -441,13 +445,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
 
     add_dataset_commands(sub, _client)
+    add_mirror_commands(sub)
+    add_tier_commands(sub)
+    add_run_commands(sub, _client)
+    add_access_commands(sub, _client)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     keep_freed_buffers()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    # `vault run|replay … -- SBATCH_ARGS`: what follows `--` is passed on untouched.
+    passed_on: list[str] | None = None
+    if "--" in words:
+        cut = words.index("--")
+        words, passed_on = words[:cut], words[cut + 1 :]
+    args = parser.parse_args(words)
+    if passed_on is not None:
+        if not hasattr(args, "sbatch_args"):
+            parser.error(f"unrecognized arguments: -- {' '.join(passed_on)}")
+        args.sbatch_args = passed_on
     logging.basicConfig(
         level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -7,18 +7,26 @@ import logging
 import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import grpc
 from sqlalchemy import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
-from cli.config import Config
+from cli.mirror import mirrors_configured, open_replicating_store
+from cli.tier import open_tiered_store, start_tier_workers, warm_configured
 from tiers.hot import HotTier
+from vault.admission import AdmissionPolicy, Admitter
+from vault.auth import MODES, Gate
 from vault.checkpoint import SigningKey
+from vault.config import Config
 from vault.content import Content
 from vault.db import Database, open_database
 from vault.errors import InvalidArgument, Unavailable
 from vault.ledger import Ledger
 from vault.service import build_server
+from vault.storage import BlobStore, Closing
+from vault.tokens import TokenStore
 
 log = logging.getLogger("pinvault")
 
@@ -47,7 +55,69 @@ def connect(url: str) -> Database:
         raise Unavailable(f"cannot open the ledger database {shown}: {reason}") from None
 
 
+def content_store(config: Config) -> BlobStore:
+    """The hot tier alone, or, with store.warm_dir or [mirrors] configured, the hot tier, the
+    warm tier and the mirrors under the tier manager, with every put queued for replication
+    when there are mirrors (cli/tier.py, cli/mirror.py)."""
+    hot = HotTier(config.hot_path)
+    if warm_configured(config):
+        log.info("warm tier %s", config.store.warm_dir)
+        return open_tiered_store(config, hot)
+    if not mirrors_configured(config):
+        return hot
+    store = open_replicating_store(config, hot, promote=config.policy.promote_on_read)
+    log.info(
+        "mirrors %s, %d replicas of each blob",
+        ", ".join(store.mirrors.names),
+        store.mirrors.replicas,
+    )
+    return store
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def _read(what: str, path: str) -> bytes:
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read {what} {path}: {exc.strerror}") from None
+
+
+def server_credentials(config: Config) -> grpc.ServerCredentials | None:
+    auth = config.auth
+    if not (auth.tls_cert or auth.tls_key):
+        if auth.client_ca:
+            raise InvalidArgument("auth.client_ca needs TLS: set auth.tls_cert and auth.tls_key")
+        return None
+    if not (auth.tls_cert and auth.tls_key):
+        raise InvalidArgument("TLS needs both auth.tls_cert and auth.tls_key")
+    pair = (_read("auth.tls_key", auth.tls_key), _read("auth.tls_cert", auth.tls_cert))
+    client_ca = _read("auth.client_ca", auth.client_ca) if auth.client_ca else None
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+def check_access(config: Config, listen: str) -> None:
+    """Local mode serves one user and so only where no one else can connect."""
+    if config.auth.mode not in MODES:
+        raise InvalidArgument(
+            f"unknown auth.mode {config.auth.mode!r}: expected one of {', '.join(MODES)}"
+        )
+    host = listen.rpartition(":")[0]
+    if config.auth.mode == "local" and not listen.startswith("unix:") and host not in _LOOPBACK:
+        raise InvalidArgument(
+            f"auth.mode 'local' asks no credential, so it listens only on loopback or a "
+            f"Unix socket, not {listen}: set auth.mode = 'credentials' and create tokens "
+            "with `vault token create`"
+        )
+
+
 def serve(config: Config, listen: str | None = None) -> int:
+    listen = listen or config.server.listen
+    check_access(config, listen)
+    tls = server_credentials(config)
     config.data_path.mkdir(parents=True, exist_ok=True)
     key = load_or_create_key(config)
     db = connect(config.database_url)
@@ -58,23 +128,59 @@ def serve(config: Config, listen: str | None = None) -> int:
         checkpoint_interval=config.ledger.checkpoint_interval,
         commit_window=config.ledger.commit_window,
     )
-    content = Content(db, HotTier(config.hot_path))
+    store = content_store(config)
+    content = Content(db, store)
+    # The migration worker and the scrubber, when there are tiers to manage ([policy]).
+    workers = start_tier_workers(config, store, db)
+    admitter = Admitter(
+        ledger,
+        content,
+        AdmissionPolicy(
+            verify_interval=config.admission.verify_interval,
+            replays_per_team=config.admission.replays_per_team,
+            replay_lease=config.admission.replay_lease,
+        ),
+    )
+    tokens = TokenStore(db) if config.auth.mode != "local" else None
     try:
-        asyncio.run(_serve(config, ledger, content, listen or config.server.listen))
+        asyncio.run(_serve(config, ledger, content, admitter, listen, tokens, tls))
     finally:
+        if tokens is not None:
+            tokens.close()
+        admitter.close()
+        for worker in workers:
+            worker.close()
         content.close()
+        if isinstance(store, Closing):
+            store.close()
         ledger.close()
         db.dispose()
     return 0
 
 
-async def _serve(config: Config, ledger: Ledger, content: Content, listen: str) -> None:
+async def _serve(
+    config: Config,
+    ledger: Ledger,
+    content: Content,
+    admitter: Admitter,
+    listen: str,
+    tokens: TokenStore | None,
+    tls: grpc.ServerCredentials | None,
+) -> None:
     loop = asyncio.get_running_loop()
     # Blocking work (disk, hashing, PostgreSQL) runs on these threads, off the event loop.
     loop.set_default_executor(
         ThreadPoolExecutor(max_workers=config.server.workers, thread_name_prefix="vault")
     )
-    server, address = await build_server(ledger, content, listen)
+    server, address = await build_server(
+        ledger,
+        content,
+        listen,
+        admitter=admitter,
+        gate=Gate(config.auth.mode, tokens) if tokens else None,
+        tokens=tokens,
+        tls=tls,
+    )
     await server.start()
     engine = ledger.db.read.dialect.name
     print(f"pinvault serving on {address}", flush=True)
@@ -83,6 +189,8 @@ async def _serve(config: Config, ledger: Ledger, content: Content, listen: str) 
         f"checkpoint key {ledger.verifier}",
         flush=True,
     )
+    access = "credentials" if tokens else "local mode (one user, no credential)"
+    print(f"  access: {access}{', TLS' if tls else ''}", flush=True)
     if ledger.fault is not None:
         print(
             f"  WARNING: the stored ledger fails its check ({ledger.fault}); appends and proofs "

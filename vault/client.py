@@ -31,16 +31,24 @@ from vault.errors import (
     IntegrityError,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
+    QuotaExceeded,
+    Unauthenticated,
     Unavailable,
     VaultError,
     VerificationError,
 )
 from vault.merkle import leaf_hash, verify_inclusion
+from vault.runid import RunInputs
 from vault.trust import TrustedLog
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
 PUT_CHUNK: Final = 1 << 20
+# put_many: the largest blob a batch takes (the vault's limit), and about how many bytes of
+# blobs go in one message of the stream.
+BATCH_BLOB: Final = 4 << 20
+BATCH_MESSAGE: Final = 4 << 20
 CHANNEL_OPTIONS: Final = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -53,6 +61,9 @@ _ERRORS: Final[dict[grpc.StatusCode, type[VaultError]]] = {
     grpc.StatusCode.DATA_LOSS: IntegrityError,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: QuotaExceeded,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 
@@ -107,6 +118,81 @@ class ProvenEntry:
     leaf_hash: bytes
     proof: list[bytes]
     checkpoint: Checkpoint
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A job the vault admitted: its run id (the digest of `inputs`), the run's `run` pin,
+    verified, whether the run is new, and a replay's slot in its team's quota."""
+
+    run_id: str
+    inputs: RunInputs
+    entry: ProvenEntry
+    new: bool
+    lease: str
+    # The team the vault admitted the job for; the run's pin may name the team that first
+    # admitted the same inputs.
+    team: str
+
+    @property
+    def seed(self) -> int:
+        return self.inputs.seed
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """How a client proves who it is: a bearer token, TLS with the server's CA, and a client
+    certificate for mutual TLS (all PEM bytes)."""
+
+    token: str = ""
+    ca: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+
+
+class _Bearer(
+    grpc.UnaryUnaryClientInterceptor,  # type: ignore[misc]
+    grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
+    grpc.StreamUnaryClientInterceptor,  # type: ignore[misc]
+    grpc.StreamStreamClientInterceptor,  # type: ignore[misc]
+):
+    """Adds the bearer token to every call. (gRPC's own call credentials need TLS; a vault on
+    loopback or a private network may run without it.)"""
+
+    def __init__(self, token: str) -> None:
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _details(self, details: Any) -> Any:
+        return details._replace(metadata=[*(details.metadata or ()), self._header])
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+
+def open_channel(target: str, credentials: Credentials | None = None) -> grpc.Channel:
+    creds = credentials or Credentials()
+    if creds.ca or creds.cert:
+        channel = grpc.secure_channel(
+            target,
+            grpc.ssl_channel_credentials(
+                root_certificates=creds.ca, private_key=creds.key, certificate_chain=creds.cert
+            ),
+            options=CHANNEL_OPTIONS,
+        )
+    else:
+        channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    if creds.token:
+        return grpc.intercept_channel(channel, _Bearer(creds.token))
+    return channel
 
 
 def default_author() -> str:
@@ -274,16 +360,22 @@ class VaultClient:
         state: Path | None = None,
         verifier_key: str | None = None,
         author: str | None = None,
+        team: str | None = None,
         timeout: float | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.target = target
-        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.channel = open_channel(target, credentials)
         self.store = rpc.StoreStub(self.channel)
         self.ledger = rpc.LedgerStub(self.channel)
+        self.admission = rpc.AdmissionStub(self.channel)
+        self.tokens = rpc.TokensStub(self.channel)
         self.state = StateFile(state) if state else None
         self._verifier_key = verifier_key
         self._memory_state: dict[str, Any] = {}
         self.author = author or default_author()
+        # Empty: the vault takes the credential's team (in local mode, "local").
+        self.team = team or ""
         self.timeout = timeout
 
     def close(self) -> None:
@@ -330,6 +422,82 @@ class VaultClient:
                 f"blake3:{local.hexdigest()}"
             )
         return result
+
+    def put_many(
+        self,
+        sources: Sequence[str | os.PathLike[str] | bytes],
+        *,
+        expected: Sequence[str | None] | None = None,
+    ) -> list[PutResult]:
+        """Store many small blobs (files or bytes, each at most BATCH_BLOB bytes) in one call,
+        whose syncs the vault shares among them; returns one result per source, in order, once
+        every blob is durable. A call takes at most 10,000 blobs and 256 MiB. As `put` does,
+        the client hashes what it sends and checks the vault stored exactly that; a blob the
+        vault refused (its bytes do not match its `expected` digest) is an IntegrityError
+        naming it, though the others of the call are stored."""
+        if expected is not None and len(expected) != len(sources):
+            raise InvalidArgument(
+                f"put_many: {len(expected)} expected digests for {len(sources)} sources"
+            )
+        wanted = [str(Digest.parse(e)) if e else "" for e in expected or [None] * len(sources)]
+        # The BLAKE3 and size of each blob as sent.
+        sent: list[tuple[bytes, int]] = []
+        failed: list[BaseException] = []
+
+        def requests() -> Iterator[pb.PutBatchRequest]:
+            try:
+                blobs: list[pb.PutBatchBlob] = []
+                size = 0
+                for source, digest in zip(sources, wanted, strict=True):
+                    data = _read_small(source)
+                    sent.append((blake3.blake3(data).digest(), len(data)))
+                    if blobs and size + len(data) > BATCH_MESSAGE:
+                        yield pb.PutBatchRequest(blobs=blobs)
+                        blobs, size = [], 0
+                    blobs.append(pb.PutBatchBlob(expected_digest=digest, data=data))
+                    size += len(data)
+                if blobs:
+                    yield pb.PutBatchRequest(blobs=blobs)
+            except BaseException as exc:  # gRPC reports it only as a cancelled call
+                failed.append(exc)
+                raise
+
+        try:
+            with _rpc():
+                response = self.store.PutBatch(requests(), timeout=self.timeout)
+        except VaultError:
+            if failed:
+                raise failed[0] from None
+            raise
+        if len(response.results) != len(sources):
+            raise IntegrityError(
+                f"the vault answered {len(response.results)} results "
+                f"for a batch of {len(sources)} blobs"
+            )
+        results: list[PutResult] = []
+        refused: list[str] = []
+        for number, (source, answer) in enumerate(zip(sources, response.results, strict=True)):
+            label = f"blob {number}" if isinstance(source, bytes) else os.fspath(source)
+            if answer.error:
+                refused.append(f"{label}: {answer.error}")
+                continue
+            blob = BlobInfo.from_wire(answer.blob)
+            local, size = sent[number]
+            digest = Digest.parse(wanted[number]) if wanted[number] else None
+            if (
+                blob.blake3.raw != local
+                or blob.size != size
+                or (digest is not None and digest not in (blob.sha256, blob.blake3))
+            ):
+                raise IntegrityError(
+                    f"the vault stored {blob.sha256} ({blob.size} bytes) for {label} but the "
+                    f"client sent blake3:{local.hex()} ({size} bytes)"
+                )
+            results.append(PutResult(blob, answer.created))
+        if refused:
+            more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+            raise IntegrityError(f"{refused[0]}{more}")
+        return results
 
     def open(
         self, digest: str, *, offset: int = 0, length: int | None = None, check_chunks: bool = True
@@ -461,6 +629,79 @@ class VaultClient:
                 index=proven.entry.index,
             )
         return ProvenEntry(entry, leaf, path, checkpoint)
+
+    # ------------------------------------------------------------------ admission
+
+    def admit(
+        self,
+        *,
+        image: str,
+        dataset: str,
+        seed: str | int,
+        config: str = "",
+        team: str = "",
+        run_id: str = "",
+        replay_of: str = "",
+    ) -> Admission:
+        """Ask the vault to admit a job on these inputs. The answer is checked: the run id is
+        the digest of these very inputs, and the run's pin is proved in a signed checkpoint."""
+        inputs = RunInputs.checked(image=image, dataset=dataset, config=config, seed=seed)
+        with self._trusted() as trusted:
+            request = pb.AdmitRequest(
+                image=inputs.image,
+                dataset=inputs.dataset,
+                config=inputs.config,
+                seed=str(inputs.seed),
+                team=team or self.team,
+                run_id=run_id,
+                replay_of=replay_of,
+                author=self.author,
+                known_size=trusted.size,
+            )
+            with _rpc():
+                response = self.admission.Admit(request, timeout=self.timeout)
+            checkpoint = trusted.update(response.checkpoint.note, list(response.consistency.hashes))
+        if response.inputs != inputs.encode() or response.run_id != inputs.run_id:
+            raise VerificationError(
+                f"the vault admitted run {response.run_id}, but these inputs make {inputs.run_id}"
+            )
+        proven = self._check_proven(response.entry, checkpoint, inputs.run_id)
+        entry = proven.entry
+        if (
+            entry.kind != "run"
+            or inputs.run_id not in entry.subjects
+            or entry.meta.get("seed") != str(inputs.seed)
+        ):
+            raise VerificationError(
+                f"the vault's pin for run {inputs.run_id} (entry {entry.index}) is not a pin of "
+                "this run"
+            )
+        return Admission(inputs.run_id, inputs, proven, response.new, response.lease, response.team)
+
+    def release_replay(self, lease: str, *, team: str = "") -> None:
+        with _rpc():
+            self.admission.ReleaseReplay(
+                pb.ReleaseReplayRequest(lease=lease, team=team or self.team),
+                timeout=self.timeout,
+            )
+
+    # ------------------------------------------------------------------ tokens
+
+    def create_token(self, *, name: str, team: str, role: str) -> tuple[pb.TokenInfo, str]:
+        """A new bearer token and its secret, which the vault shows this once."""
+        with _rpc():
+            response = self.tokens.CreateToken(
+                pb.CreateTokenRequest(name=name, team=team, role=role), timeout=self.timeout
+            )
+        return response.token, response.secret
+
+    def list_tokens(self) -> list[pb.TokenInfo]:
+        with _rpc():
+            return list(self.tokens.ListTokens(pb.ListTokensRequest(), timeout=self.timeout).tokens)
+
+    def revoke_token(self, token_id: str) -> None:
+        with _rpc():
+            self.tokens.RevokeToken(pb.RevokeTokenRequest(token_id=token_id), timeout=self.timeout)
 
     def checkpoint(self) -> Checkpoint:
         """The latest checkpoint, verified and proved consistent with the last one verified."""
@@ -617,6 +858,24 @@ def _open_source(source: str | os.PathLike[str] | IO[bytes] | bytes) -> Iterator
             yield f
     else:
         yield source
+
+
+def _read_small(source: str | os.PathLike[str] | bytes) -> bytes:
+    """The whole of a blob for put_many, refused if it is larger than a batch takes."""
+    if isinstance(source, bytes):
+        data = source
+    else:
+        try:
+            with open(source, "rb") as f:
+                data = f.read(BATCH_BLOB + 1)
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read {os.fspath(source)}: {exc.strerror}") from None
+    if len(data) > BATCH_BLOB:
+        name = "a blob" if isinstance(source, bytes) else os.fspath(source)
+        raise InvalidArgument(
+            f"{name} has more than {BATCH_BLOB} bytes: put_many takes small blobs, use put"
+        )
+    return data
 
 
 def read_all(reader: BlobReader) -> bytes:

@@ -1,5 +1,6 @@
 """The vault's configuration: built-in defaults, then a TOML file, then `PINVAULT_*` environment
-variables. An unknown key or variable is an error that names it, never silently ignored."""
+variables. An unknown key or variable is an error that names it, never silently ignored. The
+server, the `vault` command and the run library inside a job all read it here."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from vault.client import Credentials, VaultClient
 from vault.errors import InvalidArgument
+from vault.runid import JOB_VARIABLES
 
 ENV_PREFIX = "PINVAULT_"
 CONFIG_ENV = "PINVAULT_CONFIG"
@@ -41,6 +44,30 @@ class LedgerConfig:
 class StoreConfig:
     # The hot tier's folder; empty means hot/ in the data folder.
     hot_dir: str = ""
+    # The warm tier's archive folder; empty means no warm tier.
+    warm_dir: str = ""
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    # Seconds an input's content, once re-hashed, is trusted before admission re-hashes it.
+    verify_interval: float = 600.0
+    # Replays one team may run at once.
+    replays_per_team: int = 2
+    # Seconds after which a replay that never said it finished gives its slot back.
+    replay_lease: float = 86_400.0
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    # local: one user, no credential, loopback or a Unix socket only. credentials: every call
+    # carries a bearer token or a client certificate (see `vault token`, `vault keys`).
+    mode: str = "local"
+    # The server's TLS certificate and key (PEM); both empty means no TLS.
+    tls_cert: str = ""
+    tls_key: str = ""
+    # Clients must present a certificate signed by this CA (mutual TLS).
+    client_ca: str = ""
 
 
 @dataclass(frozen=True)
@@ -53,7 +80,68 @@ class ClientConfig:
     verifier_key: str = ""
     # Recorded on entries until authentication comes; empty means user@host.
     author: str = ""
+    # The team this client submits jobs for; empty means its credential's (local mode: local).
+    team: str = ""
+    # A bearer token (`vault token create`), or better a file holding it (mode 0600).
+    token: str = ""
+    token_file: str = ""
+    # TLS: the CA that signed the server's certificate; a client certificate and key for
+    # mutual TLS.
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
     timeout: float = 0.0
+
+
+@dataclass(frozen=True)
+class MirrorsConfig:
+    """S3 peer mirrors for cold copies. Every value is a scalar so that the usual strict key
+    checking and PINVAULT_MIRRORS_* variables apply; `endpoints` lists the mirrors as
+    `NAME=URL/BUCKET[/PREFIX]`, separated by spaces or commas (empty: no mirrors)."""
+
+    endpoints: str = ""
+    # Copies of each blob, on that many different mirrors (at most the number of mirrors).
+    replicas: int = 3
+    region: str = "us-east-1"
+    # Each mirror's keys come from <credentials_prefix><NAME>_ACCESS_KEY_ID and
+    # ..._SECRET_ACCESS_KEY, so that no secret sits in the config file.
+    credentials_prefix: str = "PVMIRROR_"
+    # A hanging mirror costs a worker at most about attempts * read_timeout, never a put.
+    connect_timeout: float = 5.0
+    read_timeout: float = 30.0
+    attempts: int = 3
+    # Replication retries back off from retry_min to retry_max seconds.
+    retry_min: float = 1.0
+    retry_max: float = 60.0
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """When blobs move between tiers, how many copies must stay, and how the scrubber paces
+    itself. Ages are in days; a rule set to 0 is off."""
+
+    # Seconds between the server's migration passes; 0: no migration worker.
+    migrate_interval: float = 3600.0
+    # A blob not read for this long leaves hot for warm.
+    warm_after_unread_days: float = 30.0
+    # A blob not read for this long keeps its mirror copies only.
+    cold_after_days: float = 540.0
+    # A blob larger than this leaves hot at the next pass, read or not; 0: no size rule.
+    hot_max_bytes: int = 0
+    # Pinned kinds kept hot whatever their age (comma-separated, e.g. "image,dataset").
+    keep_hot_kinds: str = ""
+    # Past this fraction of its capacity the hot tier sheds its least recently read blobs.
+    hot_high_water: float = 0.8
+    # The hot tier's capacity; 0: the size of the file system it is on.
+    hot_capacity_bytes: int = 0
+    # A copy is removed from a tier only while this many verified copies remain elsewhere.
+    min_copies: int = 2
+    # A read served from warm or cold puts a copy back in hot.
+    promote_on_read: bool = True
+    # Every copy is re-verified at least this often; 0: no background scrubber.
+    scrub_window_days: float = 30.0
+    # The background scrubber's pace, so that it does not starve reads.
+    scrub_rate_mb_s: float = 50.0
 
 
 @dataclass(frozen=True)
@@ -62,7 +150,11 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
+    mirrors: MirrorsConfig = field(default_factory=MirrorsConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
 
     # ---------------------------------------------------------------- derived
 
@@ -174,7 +266,7 @@ def load(path: str | None = None, environ: Mapping[str, str] | None = None) -> C
             raise InvalidArgument(f"config file {file} is not valid TOML: {exc}") from None
         config = apply(config, values, str(file))
     for name, value in sorted(env.items()):
-        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV or name in JOB_VARIABLES:
             continue
         # Each variable is applied on its own so that an error names it as the user spelt it.
         source = f"environment variable {name}"
@@ -199,3 +291,42 @@ def load(path: str | None = None, environ: Mapping[str, str] | None = None) -> C
             )
         config = apply(config, {section: {item: value}}, source)
     return config
+
+
+# ---------------------------------------------------------------------- the client
+
+
+def _read_file(what: str, path: str) -> bytes:
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read {what} {path}: {exc.strerror}") from None
+
+
+def credentials(config: Config) -> Credentials:
+    """The client's credentials from its config: a token, and TLS files (PEM)."""
+    client = config.client
+    token = client.token
+    if client.token_file:
+        token = _read_file("client.token_file", client.token_file).decode().strip()
+    if bool(client.cert_file) != bool(client.key_file):
+        raise InvalidArgument("mutual TLS needs both client.cert_file and client.key_file")
+    return Credentials(
+        token=token,
+        ca=_read_file("client.ca_file", client.ca_file) if client.ca_file else None,
+        cert=_read_file("client.cert_file", client.cert_file) if client.cert_file else None,
+        key=_read_file("client.key_file", client.key_file) if client.key_file else None,
+    )
+
+
+def open_client(config: Config) -> VaultClient:
+    """A client of the configured server, keeping its trust state where the command does."""
+    return VaultClient(
+        config.client.server,
+        state=config.state_path,
+        verifier_key=config.client.verifier_key or None,
+        author=config.client.author or None,
+        team=config.client.team or None,
+        timeout=config.client.timeout or None,
+        credentials=credentials(config),
+    )

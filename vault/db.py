@@ -14,6 +14,7 @@ from sqlalchemy import (
     Boolean,
     Column,
     Engine,
+    Float,
     Integer,
     LargeBinary,
     MetaData,
@@ -29,7 +30,7 @@ from sqlalchemy.pool import NullPool
 
 from vault.errors import VaultError
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 
 metadata = MetaData()
 
@@ -80,6 +81,33 @@ blobs = Table(
     Column("blake3", Text, nullable=False, unique=True),
     Column("size", BigInteger, nullable=False),
     Column("stored_at", Text, nullable=False),
+)
+
+# Schema 2. A replay holds a slot in its team's quota from admission until it is released or
+# its lease expires (a job that died without saying so must not hold the slot forever).
+replay_leases = Table(
+    "replay_leases",
+    metadata,
+    Column("lease", Text, primary_key=True),
+    Column("team", Text, nullable=False, index=True),
+    Column("run_id", Text, nullable=False),
+    Column("manifest", Text, nullable=False),
+    Column("started", Float, nullable=False),
+    Column("expires", Float, nullable=False),
+    Column("released", Float, nullable=True),
+)
+
+# Schema 2. Bearer tokens: only a hash of the secret is kept, so the table leaks no credential.
+tokens = Table(
+    "tokens",
+    metadata,
+    Column("token_id", Text, primary_key=True),
+    Column("secret_hash", LargeBinary, nullable=False),
+    Column("name", Text, nullable=False),
+    Column("team", Text, nullable=False),
+    Column("role", Text, nullable=False),
+    Column("created", Text, nullable=False),
+    Column("revoked", Text, nullable=True),
 )
 
 _IMMUTABLE = ("entries", "entry_subjects", "checkpoints")
@@ -272,7 +300,11 @@ def migrate(db: Database, *, create: bool = True) -> None:
             conn.execute(schema_version.update().values(version=version))
 
 
-UPGRADES: dict[int, Callable[[Connection], None]] = {}
+def _add_schema_2(conn: Connection) -> None:
+    metadata.create_all(conn, tables=[replay_leases, tokens])
+
+
+UPGRADES: dict[int, Callable[[Connection], None]] = {2: _add_schema_2}
 
 
 def _install_immutability(conn: Connection) -> None:

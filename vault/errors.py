@@ -41,3 +41,15 @@ class RollbackError(VerificationError):
 
 class Unavailable(VaultError):
     """The vault (or a part it depends on) cannot be reached."""
+
+
+class QuotaExceeded(VaultError):
+    """A team asked for more than its share (replays running at once)."""
+
+
+class Unauthenticated(VaultError):
+    """The call carried no credential, or one the vault does not know."""
+
+
+class PermissionDenied(VaultError):
+    """The caller is known but its role or team does not allow this."""

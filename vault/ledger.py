@@ -462,6 +462,20 @@ class Ledger:
                 found[digest].append(StoredEntry(idx, bytes(body)))
         return found
 
+    _BY_DIGEST_AND_KIND = (
+        "SELECT e.idx, e.body, e.external FROM entry_subjects s JOIN entries e ON e.idx = s.idx "
+        "WHERE s.digest = ? AND e.kind = ? ORDER BY e.idx"
+    )
+
+    def pins_of_kind(self, digest: str, kind: str) -> list[tuple[StoredEntry, bool]]:
+        """The entries of one kind naming `digest`, in index order, each with whether it pins
+        external content. Cheaper than `entries_for` on a digest named by many entries of
+        other kinds (an image every run names)."""
+        return [
+            (StoredEntry(idx, bytes(body)), bool(external))
+            for idx, body, external in self.db.fetch(self._BY_DIGEST_AND_KIND, (digest, kind))
+        ]
+
     def entry(self, index: int) -> StoredEntry:
         with self.db.read.connect() as conn:
             row = conn.execute(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import queue
 import threading
@@ -16,6 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from vault.admission import Admitted, Admitter, check_run_id
+from vault.auth import CALLER, Gate, caller
 from vault.content import Content, StoredBlob
 from vault.digest import Digest, check_digest
 from vault.errors import (
@@ -23,12 +26,17 @@ from vault.errors import (
     IntegrityError,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
+    QuotaExceeded,
+    Unauthenticated,
     Unavailable,
     VaultError,
     VerificationError,
 )
 from vault.ledger import Ledger, LogFilter, PinSpec, SignedCheckpoint, StoredEntry
+from vault.runid import RunInputs
 from vault.storage import CHUNK_SIZE
+from vault.tokens import TokenInfo, TokenStore
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
@@ -46,6 +54,9 @@ _CODES: Final[dict[type[VaultError], grpc.StatusCode]] = {
     IntegrityError: grpc.StatusCode.DATA_LOSS,
     VerificationError: grpc.StatusCode.DATA_LOSS,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -75,6 +86,20 @@ class _Service:
     PostgreSQL round trip, disk reads, hashing)."""
 
     inline: bool
+    # The service's name in the proto, as `Gate` names RPCs: "Store.Put".
+    rpc_service: str = ""
+    gate: Gate = Gate()
+
+    def authorise(self, method: str, context: Any) -> None:
+        """Refuse the call unless its caller may make it; the caller is `auth.caller()` after."""
+        if self.gate.mode != "local":
+            CALLER.set(
+                self.gate.check(
+                    f"{self.rpc_service}.{method}",
+                    context.invocation_metadata() or (),
+                    context.auth_context(),
+                )
+            )
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         if self.inline:
@@ -91,6 +116,7 @@ def unary(method: Callable[..., Any]) -> Handler:
     @functools.wraps(method)
     async def wrapper(self: _Service, request: Any, context: Any) -> Any:
         try:
+            self.authorise(method.__name__, context)
             return await self.call(method, self, request)
         except Exception as exc:
             await _abort(context, exc)
@@ -104,6 +130,7 @@ def unary_async(method: Callable[..., Awaitable[Any]]) -> Handler:
     @functools.wraps(method)
     async def wrapper(self: _Service, request: Any, context: Any) -> Any:
         try:
+            self.authorise(method.__name__, context)
             return await method(self, request)
         except Exception as exc:
             await _abort(context, exc)
@@ -127,6 +154,10 @@ def streaming(method: Callable[..., Iterator[Any]]) -> Callable[..., AsyncIterat
 
     @functools.wraps(method)
     async def wrapper(self: _Service, request: Any, context: Any) -> AsyncIterator[Any]:
+        try:
+            self.authorise(method.__name__, context)
+        except Exception as exc:
+            await _abort(context, exc)
         loop = asyncio.get_running_loop()
         # Unbounded on the loop side; `room` bounds it from the producer's side. The producer
         # never waits for the loop to take an item (a thread round trip per message would
@@ -168,6 +199,52 @@ def streaming(method: Callable[..., Iterator[Any]]) -> Callable[..., AsyncIterat
     return wrapper
 
 
+R = TypeVar("R")
+
+
+async def _client_stream(
+    service: _Service, method: str, context: Any, store: Callable[[Callable[[], Any]], R]
+) -> R:
+    """Serve a client-streaming call: `store(receive)` runs on a worker thread and calls
+    `receive()` for each message (None at the end), while the loop reads ahead into `inbox`;
+    `room` bounds how far, and the thread never waits on the loop per message."""
+    try:
+        service.authorise(method, context)
+    except Exception as exc:
+        await _abort(context, exc)
+    loop = asyncio.get_running_loop()
+    inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    room = asyncio.Semaphore(_AHEAD)
+
+    async def pump() -> None:
+        try:
+            while True:
+                await room.acquire()
+                message = await context.read()
+                if message is grpc.aio.EOF:
+                    inbox.put(None)
+                    return
+                inbox.put(message)
+        except BaseException as exc:  # the storing thread reports it
+            inbox.put(_Failed(exc))
+            raise
+
+    def receive() -> Any:
+        item = inbox.get()
+        loop.call_soon_threadsafe(room.release)
+        if isinstance(item, _Failed):
+            raise item.error
+        return item
+
+    reader = asyncio.ensure_future(pump())
+    try:
+        return await asyncio.to_thread(store, receive)
+    except Exception as exc:
+        await _abort(context, exc)
+    finally:
+        reader.cancel()
+
+
 def _blob(blob: StoredBlob) -> pb.BlobInfo:
     info = blob.info
     return pb.BlobInfo(
@@ -184,47 +261,16 @@ def _checkpoint(signed: SignedCheckpoint) -> pb.Checkpoint:
 
 
 class StoreService(_Service, rpc.StoreServicer):
+    rpc_service = "Store"
+
     def __init__(self, content: Content, ledger: Ledger) -> None:
         self.content = content
         self.ledger = ledger
         self.inline = content.db.is_sqlite
 
     async def Put(self, requests: AsyncIterator[pb.PutRequest], context: Any) -> pb.PutResponse:
-        loop = asyncio.get_running_loop()
-        # The loop reads ahead into `inbox` while a worker thread stores; `room` bounds how far,
-        # and the thread never waits on the loop per message.
-        inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        room = asyncio.Semaphore(_AHEAD)
-
-        async def pump() -> None:
-            try:
-                while True:
-                    await room.acquire()
-                    message = await context.read()
-                    if message is grpc.aio.EOF:
-                        inbox.put(None)
-                        return
-                    inbox.put(message)
-            except BaseException as exc:  # the storing thread reports it
-                inbox.put(_Failed(exc))
-                raise
-
-        def receive() -> pb.PutRequest | None:
-            item = inbox.get()
-            loop.call_soon_threadsafe(room.release)
-            if isinstance(item, _Failed):
-                raise item.error
-            message: pb.PutRequest | None = item
-            return message
-
-        reader = asyncio.ensure_future(pump())
-        try:
-            blob, created = await asyncio.to_thread(self._put, receive)
-            return pb.PutResponse(blob=_blob(blob), created=created)
-        except Exception as exc:
-            await _abort(context, exc)
-        finally:
-            reader.cancel()
+        blob, created = await _client_stream(self, "Put", context, self._put)
+        return pb.PutResponse(blob=_blob(blob), created=created)
 
     def _put(self, receive: Callable[[], pb.PutRequest | None]) -> tuple[StoredBlob, bool]:
         first = receive()
@@ -299,8 +345,54 @@ class StoreService(_Service, rpc.StoreServicer):
         if not pinned:
             yield pb.VerifyBlobsProgress(checked=0, total=0)
 
+    # A batch bounds what it stages before its one sync, and its answer; one blob must fit in
+    # one message. Larger blobs go by Put.
+    BATCH_BLOBS: Final = 10_000
+    BATCH_BYTES: Final = 256 * 1024 * 1024
+    BATCH_BLOB: Final = 4 * 1024 * 1024
+
+    async def PutBatch(
+        self, requests: AsyncIterator[pb.PutBatchRequest], context: Any
+    ) -> pb.PutBatchResponse:
+        results = await _client_stream(self, "PutBatch", context, self._put_batch)
+        return pb.PutBatchResponse(
+            results=[
+                pb.PutBatchResult(error=f"blob {n} of the batch was refused: {result}")
+                if isinstance(result, IntegrityError)
+                else pb.PutBatchResult(blob=_blob(result[0]), created=result[1])
+                for n, result in enumerate(results)
+            ]
+        )
+
+    def _put_batch(
+        self, receive: Callable[[], pb.PutBatchRequest | None]
+    ) -> list[tuple[StoredBlob, bool] | IntegrityError]:
+        def blobs() -> Iterator[tuple[bytes, Digest | None]]:
+            count = total = 0
+            while (message := receive()) is not None:
+                for blob in message.blobs:
+                    data = blob.data
+                    count += 1
+                    total += len(data)
+                    if len(data) > self.BATCH_BLOB:
+                        raise InvalidArgument(
+                            f"blob {count - 1} of the batch has {len(data)} bytes: a batch takes "
+                            f"blobs of at most {self.BATCH_BLOB}, put larger ones one by one"
+                        )
+                    if count > self.BATCH_BLOBS or total > self.BATCH_BYTES:
+                        raise InvalidArgument(
+                            f"batch too large: at most {self.BATCH_BLOBS} blobs and "
+                            f"{self.BATCH_BYTES} bytes a call"
+                        )
+                    expected = blob.expected_digest
+                    yield data, Digest.parse(expected) if expected else None
+
+        return self.content.put_many(blobs())
+
 
 class LedgerService(_Service, rpc.LedgerServicer):
+    rpc_service = "Ledger"
+
     def __init__(self, ledger: Ledger, content: Content) -> None:
         self.ledger = ledger
         self.content = content
@@ -310,7 +402,7 @@ class LedgerService(_Service, rpc.LedgerServicer):
         spec = PinSpec.checked(
             kind=request.kind,
             subjects=list(request.subjects),
-            author=request.author,
+            author=caller().author(request.author),
             meta=dict(request.meta),
             external=request.external,
         )
@@ -502,6 +594,114 @@ class LedgerService(_Service, rpc.LedgerServicer):
             yield pb.StoredCheckpoints(notes=notes)
 
 
+class AdmissionService(_Service, rpc.AdmissionServicer):
+    rpc_service = "Admission"
+
+    def __init__(self, admitter: Admitter, ledger_service: LedgerService) -> None:
+        self.admitter = admitter
+        self.ledger_service = ledger_service
+        self.inline = ledger_service.inline
+
+    @unary_async
+    async def Admit(self, request: pb.AdmitRequest) -> pb.AdmitResponse:
+        inputs = RunInputs.checked(
+            image=request.image, dataset=request.dataset, config=request.config, seed=request.seed
+        )
+        # The scheduler's usual question, a run admitted before on recently checked inputs, is
+        # answered from memory on the loop; re-hashing content or appending waits on a thread.
+        if self.inline and not request.replay_of:
+            check_run_id(inputs, request.run_id)
+            if (known := self.admitter.known_run(inputs)) is not None:
+                team = _team(caller().team_for(request.team))
+                return self._answer(request, Admitted(inputs, known, new=False, team=team))
+        return await asyncio.to_thread(self._admit, request, inputs)
+
+    def _admit(self, request: pb.AdmitRequest, inputs: RunInputs) -> pb.AdmitResponse:
+        who = caller()
+        admitted = self.admitter.admit(
+            inputs,
+            team=_team(who.team_for(request.team)),
+            author=who.author(request.author),
+            run_id=request.run_id,
+            replay_of=request.replay_of,
+        )
+        return self._answer(request, admitted)
+
+    def _answer(self, request: pb.AdmitRequest, admitted: Admitted) -> pb.AdmitResponse:
+        inputs = admitted.inputs
+        (proven,), signed, consistency = self.ledger_service._prove(
+            [[admitted.entry]], request.known_size
+        )
+        encoded = inputs.encode()
+        return pb.AdmitResponse(
+            run_id="sha256:" + hashlib.sha256(encoded).hexdigest(),
+            seed=str(inputs.seed),
+            inputs=encoded,
+            entry=proven[0],
+            checkpoint=_checkpoint(signed),
+            consistency=consistency,
+            new=admitted.new,
+            lease=admitted.lease,
+            team=admitted.team,
+        )
+
+    @unary
+    def ReleaseReplay(self, request: pb.ReleaseReplayRequest) -> pb.ReleaseReplayResponse:
+        who = caller()
+        # A scheduler or an administrator may end any team's replay.
+        team = None if who.authenticated and who.may("schedule") else who.team_for(request.team)
+        self.admitter.release_replay(request.lease, team)
+        return pb.ReleaseReplayResponse()
+
+
+def _token(info: TokenInfo) -> pb.TokenInfo:
+    return pb.TokenInfo(
+        token_id=info.token_id,
+        name=info.name,
+        team=info.team,
+        role=info.role,
+        created=info.created,
+        revoked=info.revoked,
+    )
+
+
+class TokensService(_Service, rpc.TokensServicer):
+    rpc_service = "Tokens"
+
+    def __init__(self, tokens: TokenStore) -> None:
+        self.tokens = tokens
+        self.inline = False
+
+    @unary
+    def CreateToken(self, request: pb.CreateTokenRequest) -> pb.CreateTokenResponse:
+        info, secret = self.tokens.create(name=request.name, team=request.team, role=request.role)
+        log.info(
+            "%s created token %s for %s (%s, %s)",
+            caller().name,
+            info.token_id,
+            info.name,
+            info.team,
+            info.role,
+        )
+        return pb.CreateTokenResponse(token=_token(info), secret=secret)
+
+    @unary
+    def ListTokens(self, request: pb.ListTokensRequest) -> pb.ListTokensResponse:
+        return pb.ListTokensResponse(tokens=[_token(t) for t in self.tokens.list()])
+
+    @unary
+    def RevokeToken(self, request: pb.RevokeTokenRequest) -> pb.RevokeTokenResponse:
+        self.tokens.revoke(request.token_id)
+        log.info("%s revoked token %s", caller().name, request.token_id)
+        return pb.RevokeTokenResponse()
+
+
+def _team(team: str) -> str:
+    if not team or len(team) > 128 or not team.isprintable():
+        raise InvalidArgument(f"team must be 1 to 128 printable characters, found {team!r}")
+    return team
+
+
 SERVER_OPTIONS: Final = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -510,22 +710,39 @@ SERVER_OPTIONS: Final = [
 
 
 async def build_server(
-    ledger: Ledger, content: Content, listen: str
+    ledger: Ledger,
+    content: Content,
+    listen: str,
+    *,
+    admitter: Admitter | None = None,
+    gate: Gate | None = None,
+    tokens: TokenStore | None = None,
+    tls: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, str]:
     """An asyncio gRPC server with the vault's services, health and reflection; returns it and
     where it listens (the real port when `listen` asked for port 0); `await server.start()`
-    next."""
+    next. Without `gate`, local mode: no credential is asked for; with `tokens`, administrators
+    manage them over the Tokens service."""
+    gate = gate or Gate()
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    rpc.add_StoreServicer_to_server(StoreService(content, ledger), server)
-    rpc.add_LedgerServicer_to_server(LedgerService(ledger, content), server)
+    ledger_service = LedgerService(ledger, content)
+    servicers: list[_Service] = [StoreService(content, ledger), ledger_service]
+    if admitter is not None:
+        servicers.append(AdmissionService(admitter, ledger_service))
+    if tokens is not None:
+        servicers.append(TokensService(tokens))
+    for servicer in servicers:
+        servicer.gate = gate
+        getattr(rpc, f"add_{servicer.rpc_service}Servicer_to_server")(servicer, server)
+    services = [s.rpc_service for s in servicers]
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", "pinvault.v1.Store", "pinvault.v1.Ledger"):
+    names = [pb.DESCRIPTOR.services_by_name[s].full_name for s in services]
+    for name in ("", *names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
         (
-            pb.DESCRIPTOR.services_by_name["Store"].full_name,
-            pb.DESCRIPTOR.services_by_name["Ledger"].full_name,
+            *names,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
         ),
@@ -540,7 +757,7 @@ async def build_server(
             "or unix:PATH"
         )
     try:
-        port = server.add_insecure_port(listen)
+        port = server.add_secure_port(listen, tls) if tls else server.add_insecure_port(listen)
     except RuntimeError:  # gRPC's way of saying the bind failed
         port = 0
     if port == 0:

@@ -138,8 +138,11 @@ class VaultServer:
         env: Mapping[str, str] | None = None,
         args: Sequence[str] = (),
         listen: str | None = "127.0.0.1:0",
+        channel_credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.base = base
+        # How the health check connects to a server that serves TLS only.
+        self.channel_credentials = channel_credentials
         self.data_dir = data_dir if data_dir is not None else base / "data"
         self.data_dir_from_config = data_dir_from_config
         self.state_home = base / "state"
@@ -211,7 +214,11 @@ class VaultServer:
         raise RuntimeError(f"vault serve did not say where it listens in {START_TIMEOUT}s")
 
     def _wait_serving(self) -> None:
-        with grpc.insecure_channel(self.address) as channel:
+        with (
+            grpc.secure_channel(self.address, self.channel_credentials)
+            if self.channel_credentials
+            else grpc.insecure_channel(self.address)
+        ) as channel:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""),
                 timeout=START_TIMEOUT,

@@ -1003,3 +1003,399 @@ class StoredCheckpoints(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StoredCheckpoints: _TypeAlias = StoredCheckpoints  # noqa: Y015
+
+@_typing.final
+class AdmitRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IMAGE_FIELD_NUMBER: _builtins.int
+    DATASET_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    TEAM_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    REPLAY_OF_FIELD_NUMBER: _builtins.int
+    AUTHOR_FIELD_NUMBER: _builtins.int
+    KNOWN_SIZE_FIELD_NUMBER: _builtins.int
+    image: _builtins.str
+    """sha256 digests: the container image, the dataset manifest, optionally the config."""
+    dataset: _builtins.str
+    config: _builtins.str
+    seed: _builtins.str
+    """Decimal or 0x-hex, 0 to 2**64-1."""
+    team: _builtins.str
+    """The submitting team; with authentication on, the credential's team."""
+    run_id: _builtins.str
+    """When given, the run id the caller expects these inputs to make; refused if they do not."""
+    replay_of: _builtins.str
+    """The published run manifest this job replays; counts against the team's replay quota."""
+    author: _builtins.str
+    known_size: _builtins.int
+    """The tree size the caller last verified; the answer proves consistency from it."""
+    def __init__(
+        self,
+        *,
+        image: _builtins.str = ...,
+        dataset: _builtins.str = ...,
+        config: _builtins.str = ...,
+        seed: _builtins.str = ...,
+        team: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+        replay_of: _builtins.str = ...,
+        author: _builtins.str = ...,
+        known_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["author", b"author", "config", b"config", "dataset", b"dataset", "image", b"image", "known_size", b"known_size", "replay_of", b"replay_of", "run_id", b"run_id", "seed", b"seed", "team", b"team"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmitRequest: _TypeAlias = AdmitRequest  # noqa: Y015
+
+@_typing.final
+class AdmitResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    ENTRY_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    CONSISTENCY_FIELD_NUMBER: _builtins.int
+    NEW_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
+    TEAM_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The sha256 of `inputs`, the run's canonical inputs document."""
+    seed: _builtins.str
+    inputs: _builtins.bytes
+    new: _builtins.bool
+    """False when these inputs were admitted before: the same experiment."""
+    lease: _builtins.str
+    """A replay's slot in its team's quota; empty unless `replay_of` was given."""
+    team: _builtins.str
+    """The team the vault admitted this job for: the credential's, or the one asked for."""
+    @_builtins.property
+    def entry(self) -> Global___ProvenEntry:
+        """The run's `run` pin, with its inclusion proof against `checkpoint`."""
+
+    @_builtins.property
+    def checkpoint(self) -> Global___Checkpoint: ...
+    @_builtins.property
+    def consistency(self) -> Global___ConsistencyProof: ...
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        seed: _builtins.str = ...,
+        inputs: _builtins.bytes = ...,
+        entry: Global___ProvenEntry | None = ...,
+        checkpoint: Global___Checkpoint | None = ...,
+        consistency: Global___ConsistencyProof | None = ...,
+        new: _builtins.bool = ...,
+        lease: _builtins.str = ...,
+        team: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "entry", b"entry"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "entry", b"entry", "inputs", b"inputs", "lease", b"lease", "new", b"new", "run_id", b"run_id", "seed", b"seed", "team", b"team"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmitResponse: _TypeAlias = AdmitResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseReplayRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_FIELD_NUMBER: _builtins.int
+    TEAM_FIELD_NUMBER: _builtins.int
+    lease: _builtins.str
+    team: _builtins.str
+    def __init__(
+        self,
+        *,
+        lease: _builtins.str = ...,
+        team: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "team", b"team"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseReplayRequest: _TypeAlias = ReleaseReplayRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseReplayResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseReplayResponse: _TypeAlias = ReleaseReplayResponse  # noqa: Y015
+
+@_typing.final
+class TokenInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    TEAM_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    REVOKED_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.str
+    name: _builtins.str
+    team: _builtins.str
+    role: _builtins.str
+    """reader, writer, auditor, scheduler or admin."""
+    created: _builtins.str
+    revoked: _builtins.str
+    """When it was revoked; empty while it is valid."""
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        team: _builtins.str = ...,
+        role: _builtins.str = ...,
+        created: _builtins.str = ...,
+        revoked: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "name", b"name", "revoked", b"revoked", "role", b"role", "team", b"team", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenInfo: _TypeAlias = TokenInfo  # noqa: Y015
+
+@_typing.final
+class CreateTokenRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    TEAM_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    team: _builtins.str
+    role: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        team: _builtins.str = ...,
+        role: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "role", b"role", "team", b"team"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateTokenRequest: _TypeAlias = CreateTokenRequest  # noqa: Y015
+
+@_typing.final
+class CreateTokenResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
+    secret: _builtins.str
+    """pv_<token id>_<secret>: shown once."""
+    @_builtins.property
+    def token(self) -> Global___TokenInfo: ...
+    def __init__(
+        self,
+        *,
+        token: Global___TokenInfo | None = ...,
+        secret: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["secret", b"secret", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateTokenResponse: _TypeAlias = CreateTokenResponse  # noqa: Y015
+
+@_typing.final
+class ListTokensRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTokensRequest: _TypeAlias = ListTokensRequest  # noqa: Y015
+
+@_typing.final
+class ListTokensResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenInfo]: ...
+    def __init__(
+        self,
+        *,
+        tokens: _abc.Iterable[Global___TokenInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTokensResponse: _TypeAlias = ListTokensResponse  # noqa: Y015
+
+@_typing.final
+class RevokeTokenRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeTokenRequest: _TypeAlias = RevokeTokenRequest  # noqa: Y015
+
+@_typing.final
+class RevokeTokenResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeTokenResponse: _TypeAlias = RevokeTokenResponse  # noqa: Y015
+
+@_typing.final
+class PutBatchBlob(_message.Message):
+    """---------------------------------------------------------------- batched puts
+
+    One whole small blob of a batch.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXPECTED_DIGEST_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    expected_digest: _builtins.str
+    """Optional: refuse this blob (and store nothing of it) unless its bytes hash to this digest."""
+    data: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        expected_digest: _builtins.str = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "expected_digest", b"expected_digest"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutBatchBlob: _TypeAlias = PutBatchBlob  # noqa: Y015
+
+@_typing.final
+class PutBatchRequest(_message.Message):
+    """A batch is a stream of these, each carrying whole blobs; a blob never spans two messages."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOBS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def blobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PutBatchBlob]: ...
+    def __init__(
+        self,
+        *,
+        blobs: _abc.Iterable[Global___PutBatchBlob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blobs", b"blobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutBatchRequest: _TypeAlias = PutBatchRequest  # noqa: Y015
+
+@_typing.final
+class PutBatchResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOB_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    created: _builtins.bool
+    """False when the store already held these bytes."""
+    error: _builtins.str
+    """Set when the blob was refused (its bytes do not match its expected digest); then nothing
+    of it was stored.
+    """
+    @_builtins.property
+    def blob(self) -> Global___BlobInfo:
+        """Set when the blob is stored (durable and visible)."""
+
+    def __init__(
+        self,
+        *,
+        blob: Global___BlobInfo | None = ...,
+        created: _builtins.bool = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["blob", b"blob"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blob", b"blob", "created", b"created", "error", b"error"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutBatchResult: _TypeAlias = PutBatchResult  # noqa: Y015
+
+@_typing.final
+class PutBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___PutBatchResult]:
+        """One per blob, in the order the blobs were sent."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___PutBatchResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutBatchResponse: _TypeAlias = PutBatchResponse  # noqa: Y015

@@ -61,6 +61,11 @@ class StoreStub:
                 request_serializer=vault_dot_wire_dot_pinvault__pb2.VerifyBlobsRequest.SerializeToString,
                 response_deserializer=vault_dot_wire_dot_pinvault__pb2.VerifyBlobsProgress.FromString,
                 _registered_method=True)
+        self.PutBatch = channel.stream_unary(
+                '/pinvault.v1.Store/PutBatch',
+                request_serializer=vault_dot_wire_dot_pinvault__pb2.PutBatchRequest.SerializeToString,
+                response_deserializer=vault_dot_wire_dot_pinvault__pb2.PutBatchResponse.FromString,
+                _registered_method=True)
 
 
 class StoreServicer:
@@ -102,6 +107,14 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutBatch(self, request_iterator, context):
+        """Many small blobs in one call, stored with shared syncs; answers once every stored one is
+        durable, with one result per blob in the order sent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +142,11 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.VerifyBlobs,
                     request_deserializer=vault_dot_wire_dot_pinvault__pb2.VerifyBlobsRequest.FromString,
                     response_serializer=vault_dot_wire_dot_pinvault__pb2.VerifyBlobsProgress.SerializeToString,
+            ),
+            'PutBatch': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutBatch,
+                    request_deserializer=vault_dot_wire_dot_pinvault__pb2.PutBatchRequest.FromString,
+                    response_serializer=vault_dot_wire_dot_pinvault__pb2.PutBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +286,33 @@ class Store:
             '/pinvault.v1.Store/VerifyBlobs',
             vault_dot_wire_dot_pinvault__pb2.VerifyBlobsRequest.SerializeToString,
             vault_dot_wire_dot_pinvault__pb2.VerifyBlobsProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutBatch(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/pinvault.v1.Store/PutBatch',
+            vault_dot_wire_dot_pinvault__pb2.PutBatchRequest.SerializeToString,
+            vault_dot_wire_dot_pinvault__pb2.PutBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -779,6 +824,292 @@ class Ledger:
             '/pinvault.v1.Ledger/ReadCheckpoints',
             vault_dot_wire_dot_pinvault__pb2.ReadCheckpointsRequest.SerializeToString,
             vault_dot_wire_dot_pinvault__pb2.StoredCheckpoints.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class AdmissionStub:
+    """Admission answers a scheduler: may this job run? A job runs only on pinned inputs that are
+    present and intact; admitting it pins the run. A refusal is a status with the reason.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Admit = channel.unary_unary(
+                '/pinvault.v1.Admission/Admit',
+                request_serializer=vault_dot_wire_dot_pinvault__pb2.AdmitRequest.SerializeToString,
+                response_deserializer=vault_dot_wire_dot_pinvault__pb2.AdmitResponse.FromString,
+                _registered_method=True)
+        self.ReleaseReplay = channel.unary_unary(
+                '/pinvault.v1.Admission/ReleaseReplay',
+                request_serializer=vault_dot_wire_dot_pinvault__pb2.ReleaseReplayRequest.SerializeToString,
+                response_deserializer=vault_dot_wire_dot_pinvault__pb2.ReleaseReplayResponse.FromString,
+                _registered_method=True)
+
+
+class AdmissionServicer:
+    """Admission answers a scheduler: may this job run? A job runs only on pinned inputs that are
+    present and intact; admitting it pins the run. A refusal is a status with the reason.
+    """
+
+    def Admit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseReplay(self, request, context):
+        """Ends a replay, giving its slot in the team's replay quota back.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdmissionServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Admit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=vault_dot_wire_dot_pinvault__pb2.AdmitRequest.FromString,
+                    response_serializer=vault_dot_wire_dot_pinvault__pb2.AdmitResponse.SerializeToString,
+            ),
+            'ReleaseReplay': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseReplay,
+                    request_deserializer=vault_dot_wire_dot_pinvault__pb2.ReleaseReplayRequest.FromString,
+                    response_serializer=vault_dot_wire_dot_pinvault__pb2.ReleaseReplayResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pinvault.v1.Admission', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pinvault.v1.Admission', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admission:
+    """Admission answers a scheduler: may this job run? A job runs only on pinned inputs that are
+    present and intact; admitting it pins the run. A refusal is a status with the reason.
+    """
+
+    @staticmethod
+    def Admit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pinvault.v1.Admission/Admit',
+            vault_dot_wire_dot_pinvault__pb2.AdmitRequest.SerializeToString,
+            vault_dot_wire_dot_pinvault__pb2.AdmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseReplay(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pinvault.v1.Admission/ReleaseReplay',
+            vault_dot_wire_dot_pinvault__pb2.ReleaseReplayRequest.SerializeToString,
+            vault_dot_wire_dot_pinvault__pb2.ReleaseReplayResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class TokensStub:
+    """Bearer tokens, managed by administrators. A secret is returned once, when it is created; the
+    vault keeps only its hash.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.CreateToken = channel.unary_unary(
+                '/pinvault.v1.Tokens/CreateToken',
+                request_serializer=vault_dot_wire_dot_pinvault__pb2.CreateTokenRequest.SerializeToString,
+                response_deserializer=vault_dot_wire_dot_pinvault__pb2.CreateTokenResponse.FromString,
+                _registered_method=True)
+        self.ListTokens = channel.unary_unary(
+                '/pinvault.v1.Tokens/ListTokens',
+                request_serializer=vault_dot_wire_dot_pinvault__pb2.ListTokensRequest.SerializeToString,
+                response_deserializer=vault_dot_wire_dot_pinvault__pb2.ListTokensResponse.FromString,
+                _registered_method=True)
+        self.RevokeToken = channel.unary_unary(
+                '/pinvault.v1.Tokens/RevokeToken',
+                request_serializer=vault_dot_wire_dot_pinvault__pb2.RevokeTokenRequest.SerializeToString,
+                response_deserializer=vault_dot_wire_dot_pinvault__pb2.RevokeTokenResponse.FromString,
+                _registered_method=True)
+
+
+class TokensServicer:
+    """Bearer tokens, managed by administrators. A secret is returned once, when it is created; the
+    vault keeps only its hash.
+    """
+
+    def CreateToken(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTokens(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeToken(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_TokensServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'CreateToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateToken,
+                    request_deserializer=vault_dot_wire_dot_pinvault__pb2.CreateTokenRequest.FromString,
+                    response_serializer=vault_dot_wire_dot_pinvault__pb2.CreateTokenResponse.SerializeToString,
+            ),
+            'ListTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTokens,
+                    request_deserializer=vault_dot_wire_dot_pinvault__pb2.ListTokensRequest.FromString,
+                    response_serializer=vault_dot_wire_dot_pinvault__pb2.ListTokensResponse.SerializeToString,
+            ),
+            'RevokeToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeToken,
+                    request_deserializer=vault_dot_wire_dot_pinvault__pb2.RevokeTokenRequest.FromString,
+                    response_serializer=vault_dot_wire_dot_pinvault__pb2.RevokeTokenResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pinvault.v1.Tokens', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pinvault.v1.Tokens', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Tokens:
+    """Bearer tokens, managed by administrators. A secret is returned once, when it is created; the
+    vault keeps only its hash.
+    """
+
+    @staticmethod
+    def CreateToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pinvault.v1.Tokens/CreateToken',
+            vault_dot_wire_dot_pinvault__pb2.CreateTokenRequest.SerializeToString,
+            vault_dot_wire_dot_pinvault__pb2.CreateTokenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pinvault.v1.Tokens/ListTokens',
+            vault_dot_wire_dot_pinvault__pb2.ListTokensRequest.SerializeToString,
+            vault_dot_wire_dot_pinvault__pb2.ListTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pinvault.v1.Tokens/RevokeToken',
+            vault_dot_wire_dot_pinvault__pb2.RevokeTokenRequest.SerializeToString,
+            vault_dot_wire_dot_pinvault__pb2.RevokeTokenResponse.FromString,
             options,
             channel_credentials,
             insecure,

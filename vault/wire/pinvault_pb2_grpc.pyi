@@ -44,6 +44,10 @@ class StoreStub:
     """Which of many digests the store lacks, in one round trip."""
     VerifyBlobs: _grpc.UnaryStreamMultiCallable[_pinvault_pb2.VerifyBlobsRequest, _pinvault_pb2.VerifyBlobsProgress]
     """Re-hashes every pinned blob against its digest; streams progress and failures."""
+    PutBatch: _grpc.StreamUnaryMultiCallable[_pinvault_pb2.PutBatchRequest, _pinvault_pb2.PutBatchResponse]
+    """Many small blobs in one call, stored with shared syncs; answers once every stored one is
+    durable, with one result per blob in the order sent.
+    """
 
 @_typing.type_check_only
 class StoreAsyncStub(StoreStub):
@@ -59,6 +63,10 @@ class StoreAsyncStub(StoreStub):
     """Which of many digests the store lacks, in one round trip."""
     VerifyBlobs: _aio.UnaryStreamMultiCallable[_pinvault_pb2.VerifyBlobsRequest, _pinvault_pb2.VerifyBlobsProgress]  # type: ignore[assignment]
     """Re-hashes every pinned blob against its digest; streams progress and failures."""
+    PutBatch: _aio.StreamUnaryMultiCallable[_pinvault_pb2.PutBatchRequest, _pinvault_pb2.PutBatchResponse]  # type: ignore[assignment]
+    """Many small blobs in one call, stored with shared syncs; answers once every stored one is
+    durable, with one result per blob in the order sent.
+    """
 
 class StoreServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------- content store"""
@@ -101,6 +109,16 @@ class StoreServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_pinvault_pb2.VerifyBlobsProgress], _abc.AsyncIterator[_pinvault_pb2.VerifyBlobsProgress]]:
         """Re-hashes every pinned blob against its digest; streams progress and failures."""
+
+    @_abc_1.abstractmethod
+    def PutBatch(
+        self,
+        request_iterator: _MaybeAsyncIterator[_pinvault_pb2.PutBatchRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_pinvault_pb2.PutBatchResponse, _abc.Awaitable[_pinvault_pb2.PutBatchResponse]]:
+        """Many small blobs in one call, stored with shared syncs; answers once every stored one is
+        durable, with one result per blob in the order sent.
+        """
 
 def add_StoreServicer_to_server(servicer: StoreServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
@@ -230,3 +248,101 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_pinvault_pb2.StoredCheckpoints], _abc.AsyncIterator[_pinvault_pb2.StoredCheckpoints]]: ...
 
 def add_LedgerServicer_to_server(servicer: LedgerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class AdmissionStub:
+    """Admission answers a scheduler: may this job run? A job runs only on pinned inputs that are
+    present and intact; admitting it pins the run. A refusal is a status with the reason.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> AdmissionAsyncStub: ...
+    Admit: _grpc.UnaryUnaryMultiCallable[_pinvault_pb2.AdmitRequest, _pinvault_pb2.AdmitResponse]
+    ReleaseReplay: _grpc.UnaryUnaryMultiCallable[_pinvault_pb2.ReleaseReplayRequest, _pinvault_pb2.ReleaseReplayResponse]
+    """Ends a replay, giving its slot in the team's replay quota back."""
+
+@_typing.type_check_only
+class AdmissionAsyncStub(AdmissionStub):
+    """Admission answers a scheduler: may this job run? A job runs only on pinned inputs that are
+    present and intact; admitting it pins the run. A refusal is a status with the reason.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    Admit: _aio.UnaryUnaryMultiCallable[_pinvault_pb2.AdmitRequest, _pinvault_pb2.AdmitResponse]  # type: ignore[assignment]
+    ReleaseReplay: _aio.UnaryUnaryMultiCallable[_pinvault_pb2.ReleaseReplayRequest, _pinvault_pb2.ReleaseReplayResponse]  # type: ignore[assignment]
+    """Ends a replay, giving its slot in the team's replay quota back."""
+
+class AdmissionServicer(metaclass=_abc_1.ABCMeta):
+    """Admission answers a scheduler: may this job run? A job runs only on pinned inputs that are
+    present and intact; admitting it pins the run. A refusal is a status with the reason.
+    """
+
+    @_abc_1.abstractmethod
+    def Admit(
+        self,
+        request: _pinvault_pb2.AdmitRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pinvault_pb2.AdmitResponse, _abc.Awaitable[_pinvault_pb2.AdmitResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ReleaseReplay(
+        self,
+        request: _pinvault_pb2.ReleaseReplayRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pinvault_pb2.ReleaseReplayResponse, _abc.Awaitable[_pinvault_pb2.ReleaseReplayResponse]]:
+        """Ends a replay, giving its slot in the team's replay quota back."""
+
+def add_AdmissionServicer_to_server(servicer: AdmissionServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class TokensStub:
+    """Bearer tokens, managed by administrators. A secret is returned once, when it is created; the
+    vault keeps only its hash.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> TokensAsyncStub: ...
+    CreateToken: _grpc.UnaryUnaryMultiCallable[_pinvault_pb2.CreateTokenRequest, _pinvault_pb2.CreateTokenResponse]
+    ListTokens: _grpc.UnaryUnaryMultiCallable[_pinvault_pb2.ListTokensRequest, _pinvault_pb2.ListTokensResponse]
+    RevokeToken: _grpc.UnaryUnaryMultiCallable[_pinvault_pb2.RevokeTokenRequest, _pinvault_pb2.RevokeTokenResponse]
+
+@_typing.type_check_only
+class TokensAsyncStub(TokensStub):
+    """Bearer tokens, managed by administrators. A secret is returned once, when it is created; the
+    vault keeps only its hash.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    CreateToken: _aio.UnaryUnaryMultiCallable[_pinvault_pb2.CreateTokenRequest, _pinvault_pb2.CreateTokenResponse]  # type: ignore[assignment]
+    ListTokens: _aio.UnaryUnaryMultiCallable[_pinvault_pb2.ListTokensRequest, _pinvault_pb2.ListTokensResponse]  # type: ignore[assignment]
+    RevokeToken: _aio.UnaryUnaryMultiCallable[_pinvault_pb2.RevokeTokenRequest, _pinvault_pb2.RevokeTokenResponse]  # type: ignore[assignment]
+
+class TokensServicer(metaclass=_abc_1.ABCMeta):
+    """Bearer tokens, managed by administrators. A secret is returned once, when it is created; the
+    vault keeps only its hash.
+    """
+
+    @_abc_1.abstractmethod
+    def CreateToken(
+        self,
+        request: _pinvault_pb2.CreateTokenRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pinvault_pb2.CreateTokenResponse, _abc.Awaitable[_pinvault_pb2.CreateTokenResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListTokens(
+        self,
+        request: _pinvault_pb2.ListTokensRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pinvault_pb2.ListTokensResponse, _abc.Awaitable[_pinvault_pb2.ListTokensResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def RevokeToken(
+        self,
+        request: _pinvault_pb2.RevokeTokenRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pinvault_pb2.RevokeTokenResponse, _abc.Awaitable[_pinvault_pb2.RevokeTokenResponse]]: ...
+
+def add_TokensServicer_to_server(servicer: TokensServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,121 @@
+"""What the pinvault admission plugin adds to `sbatch`: submit latency (median and p99) into a
+private one-node Slurm with slurm/job_submit.lua, beside the same Slurm without it, submitted
+alternately in the same run. Needs root and Debian's Slurm and munge (see scripts/test).
+
+    uv run python -m bench.sbatch [--jobs 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import row
+from tests.services.slurm import SlurmCluster
+from tests.services.vault_server import VAULT_COMMAND, VaultServer
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGIN = ROOT / "slurm" / "job_submit.lua"
+GOAL_P99_ADDED = 0.300
+# Held jobs go through job_submit like any other but never run, so the node's load stays out
+# of the figures; each cluster's controller sees only submissions.
+SBATCH_ARGS = ("--parsable", "--hold", "--output=/dev/null", "--account=bench", "--wrap=true")
+
+
+def submit(cluster: SlurmCluster, env: dict[str, str]) -> float:
+    start = time.perf_counter()
+    result = subprocess.run(
+        cluster.command("sbatch", *SBATCH_ARGS),
+        env=cluster.env(env),
+        cwd=cluster.jobs_dir,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    took = time.perf_counter() - start
+    if result.returncode != 0:
+        raise SystemExit(f"sbatch failed: {result.stderr.strip()}")
+    return took
+
+
+def percentile(samples: list[float], fraction: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))]
+
+
+def pin_inputs(vault: VaultServer, folder: Path) -> dict[str, str]:
+    image = folder / "image.tar"
+    image.write_bytes(b"bench image\n")
+    digest = vault.run("put", str(image)).ok().stdout.split()[0]
+    vault.run("pin", "image", digest).ok()
+    dataset = folder / "dataset"
+    dataset.mkdir()
+    (dataset / "data.csv").write_text("x\n1\n")
+    manifest = vault.run("dataset", "add", str(dataset)).ok().stdout.split()[0]
+    return {"PINVAULT_IMAGE": digest, "PINVAULT_DATASET": manifest, "PINVAULT_SEED": "7"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--jobs", type=int, default=100, help="submissions to each cluster")
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    if len(VAULT_COMMAND) != 1:
+        raise SystemExit("the `vault` script is not installed in the venv: run `uv sync`")
+    # /tmp keeps the vault's socket path within the 108 bytes a Unix socket allows.
+    with tempfile.TemporaryDirectory(prefix="pinvault-bench-", dir="/tmp") as tmp:
+        folder = Path(tmp)
+        # The clusters run in network namespaces of their own; the vault's socket path
+        # reaches into them where a 127.0.0.1 port would not.
+        with VaultServer(folder / "vault", listen=f"unix:{folder}/vault.sock") as vault:
+            pins = pin_inputs(vault, folder)
+            client = folder / "client.toml"
+            client.write_text(f'[client]\nserver = "{vault.address}"\n')
+            conf = (
+                f"vault = {VAULT_COMMAND[0]}\nclient_config = {client}\n"
+                f"state_dir = {folder / 'controller-state'}\ntimeout = 8\n"
+            )
+            with (
+                SlurmCluster() as plain,
+                SlurmCluster(job_submit=PLUGIN, files={"pinvault.conf": conf}) as pinned,
+            ):
+                for _ in range(args.warmup):
+                    submit(plain, pins)
+                    submit(pinned, pins)
+                base: list[float] = []
+                ours: list[float] = []
+                # Alternating spreads the machine's noise over both series alike.
+                for _ in range(args.jobs):
+                    base.append(submit(plain, pins))
+                    ours.append(submit(pinned, pins))
+    b50, b99 = statistics.median(base), percentile(base, 0.99)
+    o50, o99 = statistics.median(ours), percentile(ours, 0.99)
+    ms = 1000
+    print(f"sbatch submit latency, {args.jobs} jobs each; baseline: the same Slurm, no plugin")
+    print(
+        row(
+            "sbatch with pinvault admission, median",
+            f"{o50 * ms:.0f} ms",
+            f"{b50 * ms:.0f} ms",
+            o50 / b50,
+            f"added {(o50 - b50) * ms:.0f} ms",
+        )
+    )
+    print(
+        row(
+            "sbatch with pinvault admission, p99",
+            f"{o99 * ms:.0f} ms",
+            f"{b99 * ms:.0f} ms",
+            o99 / b99,
+            f"added {(o99 - b99) * ms:.0f} ms, goal < {GOAL_P99_ADDED * ms:.0f} ms",
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""`vault token create|list|revoke` and `vault keys init|issue` (cli/keys.py): the credentials
+of a vault that asks for them (auth.mode = 'credentials'). Tokens are managed over gRPC by an
+administrator; `--offline` writes the first one straight into the vault's database, on the
+vault's host."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from vault.auth import ROLES, check_name, check_role
+from vault.client import VaultClient
+from vault.config import Config
+
+Connect = Callable[[Config], VaultClient]
+
+
+def add_access_commands(sub: Any, connect: Connect) -> None:
+    p = sub.add_parser("token", help="create, list and revoke bearer tokens (administrators)")
+    commands = p.add_subparsers(dest="token_command", required=True, metavar="COMMAND")
+    q = commands.add_parser("create", help="print a new token's secret (shown once)")
+    q.add_argument("--name", required=True, help="who holds it; recorded as the author")
+    q.add_argument("--team", required=True)
+    q.add_argument("--role", required=True, choices=sorted(ROLES))
+    q.add_argument(
+        "--offline",
+        action="store_true",
+        help="write into the vault's database directly (on its host; for the first admin token)",
+    )
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=partial(_create, connect=connect))
+    q = commands.add_parser("list", help="every token: id, holder, team, role, state")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=partial(_list, connect=connect))
+    q = commands.add_parser("revoke", help="revoke a token by its id (pv_<id> or <id>)")
+    q.add_argument("token_id", metavar="ID")
+    q.set_defaults(func=partial(_revoke, connect=connect))
+
+    p = sub.add_parser("keys", help="a CA and certificates for TLS and mutual TLS")
+    commands = p.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
+    q = commands.add_parser("init", help="a new CA, and a server certificate signed by it")
+    q.add_argument("folder", metavar="DIR")
+    q.add_argument(
+        "--host", action="append", default=[], help="a name or address of the server (repeat)"
+    )
+    q.set_defaults(func=_keys_init)
+    q = commands.add_parser("issue", help="a client certificate: CN name, O team, OU role")
+    q.add_argument("folder", metavar="DIR", help="the folder `keys init` made")
+    q.add_argument("--name", required=True)
+    q.add_argument("--team", required=True)
+    q.add_argument("--role", required=True, choices=sorted(ROLES))
+    q.set_defaults(func=_keys_issue)
+
+
+# ---------------------------------------------------------------------- tokens
+
+
+def _create(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    if args.offline:
+        from cli.serve import connect as open_db
+        from vault.tokens import TokenStore
+
+        db = open_db(config.database_url)
+        store = TokenStore(db)
+        try:
+            info, secret = store.create(name=args.name, team=args.team, role=args.role)
+        finally:
+            store.close()
+            db.dispose()
+        token_id, role = info.token_id, info.role
+    else:
+        check_name("name", args.name)
+        check_name("team", args.team)
+        check_role(args.role)
+        with connect(config) as client:
+            token, secret = client.create_token(name=args.name, team=args.team, role=args.role)
+        token_id, role = token.token_id, token.role
+    if args.json:
+        print(json.dumps({"token_id": token_id, "role": role, "token": secret}))
+    else:
+        print(secret)
+    return 0
+
+
+def _list(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    with connect(config) as client:
+        tokens = client.list_tokens()
+    for t in tokens:
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "token_id": t.token_id,
+                        "name": t.name,
+                        "team": t.team,
+                        "role": t.role,
+                        "created": t.created,
+                        "revoked": t.revoked,
+                    }
+                )
+            )
+        else:
+            state = f"revoked {t.revoked}" if t.revoked else "valid"
+            print(f"pv_{t.token_id}  {t.name:<16} {t.team:<12} {t.role:<9} {t.created}  {state}")
+    return 0
+
+
+def _revoke(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    token_id = args.token_id.removeprefix("pv_").split("_")[0]
+    with connect(config) as client:
+        client.revoke_token(token_id)
+    print(f"revoked pv_{token_id}")
+    return 0
+
+
+# ---------------------------------------------------------------------- keys
+
+
+def _keys_init(args: argparse.Namespace, config: Config) -> int:
+    from cli.keys import init  # cryptography's x509 is slow to import; only these need it
+
+    return init(Path(args.folder), args.host)
+
+
+def _keys_issue(args: argparse.Namespace, config: Config) -> int:
+    from cli.keys import issue
+
+    return issue(Path(args.folder), name=args.name, team=args.team, role=args.role)

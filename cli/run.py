@@ -1,0 +1,284 @@
+"""`vault admit` and `vault run`: the scheduler's side. `admit` asks the vault whether a job on
+these pins may run (the Slurm plugin calls it); `run` checks, pins and submits through `sbatch`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from vault.client import Admission, VaultClient
+from vault.config import Config
+from vault.digest import Digest
+from vault.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from vault.run import load_run_manifest
+from vault.runid import parse_seed
+
+Connect = Callable[[Config], VaultClient]
+
+
+def add_run_commands(sub: Any, connect: Connect) -> None:
+    p = sub.add_parser(
+        "admit", help="ask the vault to admit a job on pinned inputs; prints its run id"
+    )
+    _input_arguments(p, config_help="the config's digest")
+    p.add_argument("--run-id", default="", help="refuse unless the inputs make this run id")
+    p.add_argument("--replay-of", default="", metavar="MANIFEST", help=argparse.SUPPRESS)
+    output = p.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true")
+    output.add_argument(
+        "--porcelain", action="store_true", help="one line: run_id=DIGEST seed=DECIMAL"
+    )
+    p.set_defaults(func=partial(_admit, connect=connect))
+
+    p = sub.add_parser(
+        "run",
+        help="check a job's pins, pin the run and submit it with sbatch",
+        usage="vault run --image DIGEST --dataset DIGEST [--config FILE] --seed SEED "
+        "[--team TEAM] -- SBATCH_ARGS...",
+        description="Everything after -- goes to sbatch (options, then the batch script).",
+    )
+    _input_arguments(p, config_help="the config file (stored and pinned) or its digest")
+    # What follows `--` is sbatch's (the command splits it off before parsing).
+    p.set_defaults(func=partial(_run, connect=connect), sbatch_args=[])
+
+    p = sub.add_parser(
+        "replay",
+        help="resubmit a published run with its recorded inputs and seed",
+        usage="vault replay MANIFEST_DIGEST [--team TEAM] [-- SBATCH_ARGS...]",
+        description="Everything after -- goes to sbatch (options, then the batch script); "
+        "a team runs a limited number of replays at once.",
+    )
+    p.add_argument("manifest", metavar="MANIFEST_DIGEST")
+    p.add_argument("--team", default="", help="default: client.team, or your credential's team")
+    p.set_defaults(func=partial(_replay, connect=connect), sbatch_args=[])
+
+
+def _input_arguments(p: argparse.ArgumentParser, *, config_help: str) -> None:
+    p.add_argument("--image", required=True, metavar="DIGEST", help="the container image")
+    p.add_argument("--dataset", required=True, metavar="DIGEST", help="the dataset manifest")
+    p.add_argument("--config", dest="run_config", default="", help=config_help)
+    p.add_argument("--seed", required=True, help="decimal or 0x-hex")
+    p.add_argument("--team", default="", help="default: client.team, or your credential's team")
+
+
+def _admit(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    with connect(config) as client:
+        admission = client.admit(
+            image=args.image,
+            dataset=args.dataset,
+            config=args.run_config,
+            seed=args.seed,
+            team=args.team,
+            run_id=args.run_id,
+            replay_of=args.replay_of,
+        )
+    if args.porcelain:
+        print(f"run_id={admission.run_id} seed={admission.seed}")
+    elif args.json:
+        print(json.dumps(_admission_dict(admission)))
+    else:
+        state = "new run" if admission.new else "admitted before: the same experiment"
+        print(f"admitted  run {admission.run_id}  ({state})")
+        print(f"  seed {admission.seed}  entry {admission.entry.entry.index}")
+    return 0
+
+
+def _admission_dict(admission: Admission) -> dict[str, Any]:
+    return {
+        "run_id": admission.run_id,
+        "seed": str(admission.seed),
+        "inputs": admission.inputs.as_json(),
+        "entry": admission.entry.entry.index,
+        "new": admission.new,
+        **({"lease": admission.lease} if admission.lease else {}),
+    }
+
+
+# ---------------------------------------------------------------------- vault run
+
+
+def _short(digest: str) -> str:
+    return digest.partition(":")[2][:8] + "…"
+
+
+def _step(mark: str, what: str, detail: str) -> None:
+    print(f"{mark} {what:<34}{detail}", flush=True)
+
+
+def _config_digest(client: VaultClient, value: str) -> str:
+    """The config's digest: given as one, or the file's, stored and pinned as `config`."""
+    if not value:
+        return ""
+    if ":" in value and not Path(value).exists():
+        return str(Digest.parse(value))
+    path = Path(value)
+    if not path.is_file():
+        raise InvalidArgument(f"config {value}: no such file (or give the config's digest)")
+    digest = str(client.put(path).blob.sha256)
+    try:
+        pinned = any(p.entry.kind == "config" for p in client.lookup(digest))
+    except NotFound:
+        pinned = False
+    if not pinned:
+        client.pin("config", digest, meta={"name": path.name})
+    return digest
+
+
+def _require_pin(client: VaultClient, kind: str, digest: str) -> int:
+    """The index of `digest`'s `kind` pin, proved against a signed checkpoint."""
+    wanted = str(Digest.parse(digest))
+    try:
+        entries = [p.entry for p in client.lookup(wanted) if p.entry.kind == kind]
+    except NotFound:
+        entries = []
+    if not entries:
+        raise FailedPrecondition(f"{kind} {wanted} is not pinned: pin it first")
+    return entries[0].index
+
+
+def submit(
+    sbatch_args: list[str], env: Mapping[str, str], sbatch: str | None = None
+) -> tuple[str, str]:
+    """Run sbatch; returns the job id and sbatch's message, or raises with sbatch's reason."""
+    command = sbatch or shutil.which("sbatch")
+    if command is None:
+        raise Unavailable("sbatch is not on PATH: is this a Slurm submit host?")
+    done = subprocess.run(
+        [command, "--parsable", *sbatch_args],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        reason = " ".join(done.stderr.split()) or f"exit status {done.returncode}"
+        raise FailedPrecondition(f"sbatch refused the job: {reason}")
+    return done.stdout.strip().split(";")[0], done.stderr.strip()
+
+
+def job_environment(config: Config, admission: Admission, **extra: str) -> dict[str, str]:
+    """The submitting environment plus the job's pins and run, as the Slurm plugin and the run
+    library read them (docs/run-manifest.md)."""
+    inputs = admission.inputs
+    env = dict(os.environ)
+    env.update(
+        PINVAULT_IMAGE=inputs.image,
+        PINVAULT_DATASET=inputs.dataset,
+        PINVAULT_SEED=str(inputs.seed),
+        PINVAULT_RUN_ID=admission.run_id,
+        # The team the vault admitted the job for: with credentials, the credential's.
+        PINVAULT_TEAM=admission.team,
+        PINVAULT_CLIENT_SERVER=config.client.server,
+    )
+    if inputs.config:
+        env["PINVAULT_CONFIG_DIGEST"] = inputs.config
+    env.update({name: value for name, value in extra.items() if value})
+    return env
+
+
+def _sbatch_args(args: argparse.Namespace) -> list[str]:
+    sbatch_args = list(args.sbatch_args)
+    if not sbatch_args:
+        raise InvalidArgument("nothing to submit: give sbatch's arguments after --")
+    return sbatch_args
+
+
+def batch_script(sbatch_args: list[str]) -> Path | None:
+    """The batch script among sbatch's arguments: the first that names an existing file
+    (options come before it; their values are rarely existing files)."""
+    for arg in sbatch_args:
+        if not arg.startswith("-") and Path(arg).is_file():
+            return Path(arg)
+    return None
+
+
+def _run(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    sbatch_args = _sbatch_args(args)
+    parse_seed(args.seed)
+    script = batch_script(sbatch_args)
+    with connect(config) as client:
+        index = _require_pin(client, "image", args.image)
+        _step("✓", "image verified", f"{_short(args.image)}  entry {index}")
+        index = _require_pin(client, "dataset", args.dataset)
+        _step("✓", "dataset hash matched", f"{_short(args.dataset)}  entry {index}")
+        config_digest = _config_digest(client, args.run_config)
+        if config_digest:
+            _step("✓", "config pinned", _short(config_digest))
+        admission = client.admit(
+            image=args.image,
+            dataset=args.dataset,
+            config=config_digest,
+            seed=args.seed,
+            team=args.team,
+        )
+        # Stored so that `vault replay` can submit the same script again.
+        script_digest = str(client.put(script).blob.sha256) if script else ""
+    created = "created" if admission.new else "found (same experiment)"
+    _step("✓", f"pin vault entry {created}", f"entry {admission.entry.entry.index}")
+    extra = {"PINVAULT_SCRIPT": script_digest} if script_digest else {}
+    job, _ = submit(sbatch_args, job_environment(config, admission, **extra))
+    _launched(job, admission)
+    return 0
+
+
+def _launched(job: str, admission: Admission) -> None:
+    _step("→", "launching on cluster", f"job {job}")
+    _step("→", "run id", admission.run_id)
+    _step("→", "seed", f"{admission.seed:#x}")
+    sys.stdout.flush()
+
+
+def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    sbatch_args = list(args.sbatch_args)
+    manifest_digest = str(Digest.parse(args.manifest))
+    with connect(config) as client, tempfile.TemporaryDirectory(prefix="pinvault-replay-") as tmp:
+        manifest = load_run_manifest(client, manifest_digest)
+        if batch_script(sbatch_args) is None:
+            recorded = manifest.environment.variables.get("PINVAULT_SCRIPT", "")
+            if not recorded:
+                raise InvalidArgument(
+                    "the run manifest records no batch script: give sbatch's arguments, "
+                    "with the script, after --"
+                )
+            script = Path(tmp) / "replay.sbatch"
+            client.get(recorded, script)
+            sbatch_args.append(str(script))
+        _step(
+            "✓",
+            "run manifest published",
+            f"{_short(manifest_digest)}  run {_short(manifest.run_id)}",
+        )
+        inputs = manifest.inputs
+        admission = client.admit(
+            image=inputs.image,
+            dataset=inputs.dataset,
+            config=inputs.config,
+            seed=inputs.seed,
+            team=args.team,
+            replay_of=manifest_digest,
+        )
+        _step("✓", "inputs pinned and intact", f"replay slot taken for team {admission.team}")
+        env = job_environment(
+            config,
+            admission,
+            PINVAULT_REPLAY_OF=manifest_digest,
+            PINVAULT_REPLAY_LEASE=admission.lease,
+            PINVAULT_SCRIPT=manifest.environment.variables.get("PINVAULT_SCRIPT", ""),
+        )
+        try:
+            job, _ = submit(sbatch_args, env)
+        except BaseException:
+            # Nothing will run, so the slot is given back now rather than when it expires.
+            client.release_replay(admission.lease, team=admission.team)
+            raise
+    _launched(job, admission)
+    return 0

@@ -1,0 +1,214 @@
+--[[
+pinvault admission for Slurm (job_submit/lua, Slurm 22.05 or later): a batch job is accepted
+only if the vault admits its pins, and an accepted job carries its run id.
+
+The job's pins come from the environment sbatch exports with it:
+  PINVAULT_IMAGE, PINVAULT_DATASET, PINVAULT_SEED  (required)
+  PINVAULT_CONFIG_DIGEST, PINVAULT_RUN_ID          (optional; `vault run` sets the run id)
+The team is the job's --account, or else the submitting user's name.
+
+The decision is the vault's: the plugin runs `vault admit --porcelain` and either
+  - accepts the job, writes "pinvault run=<run id> seed=<seed>" into its AdminComment (which
+    only an administrator can change) and sets PINVAULT_RUN_ID and PINVAULT_SEED in the job's
+    environment, or
+  - refuses it, showing the user the vault's one-line reason. Anything else that goes wrong
+    (no vault, no answer in time, no configuration) refuses too: the plugin fails closed.
+
+Its own settings are read from pinvault.conf next to this file; see slurm/README.md.
+]]
+
+local CONF_NAME = "pinvault.conf"
+local DEFAULTS = { vault = "vault", timeout = "5", path = "/usr/local/bin:/usr/bin:/bin" }
+local KEYS = { vault = true, client_config = true, state_dir = true, timeout = true, path = true }
+
+-- This file's folder: Slurm loads job_submit.lua from the folder slurm.conf is in, and the
+-- plugin's own configuration sits beside it.
+local function plugin_dir()
+	local source = debug.getinfo(1, "S").source
+	return source:match("^@(.*)/[^/]*$") or "/etc/slurm"
+end
+
+-- "key = value" lines; '#' starts a comment. Read on every submission (a few hundred bytes)
+-- so that an edit takes effect without restarting slurmctld.
+local function read_conf()
+	local path = plugin_dir() .. "/" .. CONF_NAME
+	local file, err = io.open(path, "r")
+	if not file then
+		return nil, "cannot read " .. path .. ": " .. tostring(err)
+	end
+	local conf = {}
+	for key, value in pairs(DEFAULTS) do
+		conf[key] = value
+	end
+	local number = 0
+	for line in file:lines() do
+		number = number + 1
+		line = line:gsub("#.*$", ""):match("^%s*(.-)%s*$")
+		if line ~= "" then
+			local key, value = line:match("^([%w_]+)%s*=%s*(.-)$")
+			if not key then
+				file:close()
+				return nil, path .. ":" .. number .. ": expected key = value"
+			end
+			-- A misspelt key would otherwise leave its default in force unnoticed.
+			if not KEYS[key] then
+				file:close()
+				return nil, path .. ":" .. number .. ": unknown key " .. key
+			end
+			conf[key] = value
+		end
+	end
+	file:close()
+	if not conf.client_config or conf.client_config == "" then
+		return nil, path .. ": client_config is not set"
+	end
+	if not tonumber(conf.timeout) then
+		return nil, path .. ": timeout must be a number of seconds"
+	end
+	return conf
+end
+
+-- Every value that reaches the shell is quoted: pins and account names come from the user,
+-- and slurmctld runs this as SlurmUser.
+local function quote(value)
+	return "'" .. (string.gsub(value, "'", "'\\''")) .. "'"
+end
+
+-- A refusal on the job's own merits reads "Access/permission denied" after the reason; when
+-- the vault could not be asked, the job may be fine, and Slurm's generic error says so less.
+local function refuse(reason)
+	slurm.log_user("pinvault: job refused: %s", reason)
+	slurm.log_info("pinvault: job refused: %s", reason)
+	if reason:match("^UNAVAILABLE:") or reason:match("^admission is misconfigured") then
+		return slurm.ERROR
+	end
+	return slurm.ESLURM_ACCESS_DENIED
+end
+
+-- Runs `vault admit`; returns run id and seed, or nil and the reason to show the user.
+local function admit(conf, pins)
+	-- `env -i`: nothing of slurmctld's own environment (a PINVAULT_* variable, a HOME with
+	-- no trust state) may change which vault is asked or how it is trusted.
+	local env = { "env", "-i", "PATH=" .. quote(conf.path), "LANG=C.UTF-8",
+		"PINVAULT_CONFIG=" .. quote(conf.client_config) }
+	if conf.state_dir then
+		-- The client keeps the vault's last verified checkpoint here (XDG_STATE_HOME).
+		table.insert(env, "XDG_STATE_HOME=" .. quote(conf.state_dir))
+	end
+	-- The whole submission waits on this call with slurmctld's job lock held, and sbatch
+	-- gives up after MessageTimeout (10 s by default): bound it well below that.
+	local args = { "timeout", "-k", "1", quote(conf.timeout), quote(conf.vault), "admit",
+		"--porcelain",
+		"--image=" .. quote(pins.image),
+		"--dataset=" .. quote(pins.dataset),
+		"--seed=" .. quote(pins.seed),
+		"--team=" .. quote(pins.team) }
+	if pins.config then
+		table.insert(args, "--config=" .. quote(pins.config))
+	end
+	if pins.run_id then
+		table.insert(args, "--run-id=" .. quote(pins.run_id))
+	end
+	-- Lua 5.1 (which Slurm links) cannot read a child's exit status from io.popen, so the
+	-- shell prints it as the last line.
+	local command = table.concat(env, " ") .. " " .. table.concat(args, " ")
+		.. " </dev/null 2>&1; echo \"exit=$?\""
+	local pipe = io.popen(command, "r")
+	if not pipe then
+		return nil, "cannot run " .. conf.vault
+	end
+	local output = pipe:read("*a")
+	pipe:close()
+
+	local lines = {}
+	for line in output:gmatch("[^\n]+") do
+		table.insert(lines, line)
+	end
+	local status = tonumber((table.remove(lines) or ""):match("^exit=(%d+)$"))
+	if status == 0 then
+		for _, line in ipairs(lines) do
+			local run_id, seed = line:match("^run_id=(sha256:%x+) seed=(%d+)$")
+			if run_id then
+				return run_id, seed
+			end
+		end
+		return nil, "the vault admitted the job but its answer was not understood: "
+			.. table.concat(lines, " | ")
+	end
+	-- The vault's refusals and its UNAVAILABLE are one line "vault: STATUS: reason".
+	for i = #lines, 1, -1 do
+		local reason = lines[i]:match("^vault: (.*)$")
+		if reason then
+			return nil, reason
+		end
+	end
+	if status == 124 or status == 137 then
+		return nil, "UNAVAILABLE: no answer from the vault in " .. conf.timeout .. " s"
+	elseif status == 126 or status == 127 then
+		return nil, "the vault command " .. conf.vault .. " cannot be run on the controller"
+	end
+	return nil, "the vault command failed (exit " .. tostring(status) .. "): "
+		.. (lines[#lines] or "no output")
+end
+
+function slurm_job_submit(job_desc, part_list, submit_uid)
+	-- Only a batch job carries an environment at submission (srun and salloc send none), so
+	-- only a batch job can carry pins.
+	if job_desc.script == nil then
+		return refuse("only batch jobs can carry pins: submit with sbatch "
+			.. "(PINVAULT_IMAGE, PINVAULT_DATASET, PINVAULT_SEED in its environment)")
+	end
+	local environment = job_desc.environment or {}
+	local pins = {
+		image = environment.PINVAULT_IMAGE,
+		dataset = environment.PINVAULT_DATASET,
+		seed = environment.PINVAULT_SEED,
+		config = environment.PINVAULT_CONFIG_DIGEST,
+		run_id = environment.PINVAULT_RUN_ID,
+		team = job_desc.account or job_desc.user_name or tostring(submit_uid),
+	}
+	local missing = {}
+	for _, name in ipairs({ "image", "dataset", "seed" }) do
+		if pins[name] == nil or pins[name] == "" then
+			table.insert(missing, "PINVAULT_" .. string.upper(name))
+		end
+	end
+	if #missing > 0 then
+		return refuse("the job carries no pins (" .. table.concat(missing, ", ")
+			.. " not set): export the image and dataset digests and the seed, or submit "
+			.. "with `vault run`")
+	end
+
+	local conf, err = read_conf()
+	if not conf then
+		return refuse("admission is misconfigured on the controller: " .. err)
+	end
+	local run_id, seed_or_reason = admit(conf, pins)
+	if not run_id then
+		return refuse(seed_or_reason)
+	end
+	local record = "pinvault run=" .. run_id .. " seed=" .. seed_or_reason
+	if job_desc.admin_comment and job_desc.admin_comment ~= "" then
+		record = record .. "; " .. job_desc.admin_comment
+	end
+	job_desc.admin_comment = record
+	-- In 22.05 the environment table writes through to the job's environment.
+	job_desc.environment.PINVAULT_RUN_ID = run_id
+	job_desc.environment.PINVAULT_SEED = seed_or_reason
+	slurm.log_info("pinvault: job of %s admitted as run %s", pins.team, run_id)
+	return slurm.SUCCESS
+end
+
+-- A job's environment cannot be changed once submitted, so its pins stay as admitted; its
+-- account can, and the vault recorded that account as the run's team.
+function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+	if job_desc.account ~= nil and job_desc.account ~= job_rec.account then
+		slurm.log_user("pinvault: the account of job %s was its team when the vault admitted it "
+			.. "and cannot change: submit again with --account=%s", tostring(job_rec.job_id),
+			job_desc.account)
+		return slurm.ESLURM_ACCESS_DENIED
+	end
+	return slurm.SUCCESS
+end
+
+return slurm.SUCCESS

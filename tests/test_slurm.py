@@ -1,0 +1,464 @@
+"""The lab's rule in a real Slurm: sbatch refuses a job whose pins the vault does not admit and
+shows the vault's reason; an admitted job runs with its run id and seed in its environment and
+its run id on its record. slurm/job_submit.lua runs in a private one-node cluster (see
+tests/services/slurm.py) and asks a real `vault serve` through the real `vault admit`.
+
+Then the whole loop: `vault run` checks, pins and submits a job; the job records its outputs
+and checkpoint with the run library and publishes its run manifest and replicate.sh; `vault
+replay` runs it again from the manifest with the same outputs; a team's third concurrent replay
+is refused."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import StartVault
+from tests.services.slurm import SlurmCluster
+from tests.services.vault_server import VAULT_COMMAND, VaultRun, VaultServer
+from vault.client import VaultClient
+from vault.run import load_run_manifest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PLUGIN = REPO_ROOT / "slurm" / "job_submit.lua"
+SEED = "0xC0FFEE"
+# The job prints what it was given, one NAME=value a line.
+SHOW_PINS = "#!/bin/sh\nenv | grep '^PINVAULT_' | sort\n"
+# The vault command as slurmctld runs it: an executable path (the venv's `vault` script).
+VAULT_EXECUTABLE = VAULT_COMMAND[0] if len(VAULT_COMMAND) == 1 else None
+
+
+@dataclass(frozen=True)
+class Pins:
+    image: str
+    dataset: str
+    unpinned_image: str
+
+    def env(self, **changes: str) -> dict[str, str]:
+        pins = {"PINVAULT_IMAGE": self.image, "PINVAULT_DATASET": self.dataset}
+        return {**pins, "PINVAULT_SEED": SEED, **changes}
+
+
+@contextmanager
+def short_dir(prefix: str) -> Iterator[Path]:
+    """A folder with a path short enough for a Unix socket in it (pytest's may not be)."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def plugin_files(client: Path, vault_socket: str, state: Path) -> dict[str, str]:
+    """pinvault.conf for the plugin and the vault client's config it names."""
+    client.write_text(f'[client]\nserver = "{vault_socket}"\n')
+    assert VAULT_EXECUTABLE is not None, "the `vault` script is not installed in the venv"
+    conf = (
+        f"vault = {VAULT_EXECUTABLE}\n"
+        f"client_config = {client}\n"
+        f"state_dir = {state}\n"
+        # A loaded 2-core test machine can take seconds to start Python.
+        "timeout = 8\n"
+    )
+    return {"pinvault.conf": conf}
+
+
+@pytest.fixture(scope="module")
+def vault(clean_environment: None) -> Iterator[VaultServer]:
+    """A real `vault serve` on a Unix socket: the cluster lives in a network namespace of its
+    own (no port of this machine's), and a socket's path reaches into it where 127.0.0.1
+    does not."""
+    with (
+        short_dir("pinvault-slurm-vault-") as base,
+        VaultServer(base, listen=f"unix:{base}/vault.sock") as server,
+    ):
+        yield server
+
+
+@pytest.fixture(scope="module")
+def cluster(vault: VaultServer) -> Iterator[SlurmCluster]:
+    folder = Path(vault.base) / "controller"
+    folder.mkdir()
+    files = plugin_files(folder / "client.toml", vault.address, folder / "state")
+    with SlurmCluster(job_submit=PLUGIN, files=files) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def pins(vault: VaultServer, tmp_path_factory: pytest.TempPathFactory) -> Pins:
+    folder = tmp_path_factory.mktemp("pins")
+    image = folder / "image.tar"
+    image.write_bytes(b"an OCI image, as far as this test cares\n")
+    other = folder / "other.tar"
+    other.write_bytes(b"an image that was stored but never pinned\n")
+    dataset = folder / "dataset"
+    dataset.mkdir()
+    (dataset / "train.csv").write_text("x,y\n1,2\n")
+    image_digest = put(vault, image)
+    vault.run("pin", "image", image_digest).ok()
+    dataset_digest = vault.run("dataset", "add", str(dataset)).ok().stdout.split()[0]
+    return Pins(image_digest, dataset_digest, put(vault, other))
+
+
+def put(vault: VaultServer, path: Path) -> str:
+    digest = vault.run("put", str(path)).ok().stdout.split()[0]
+    assert digest.startswith("sha256:")
+    return digest
+
+
+def admit(vault: VaultServer, pins: dict[str, str], team: str) -> VaultRun:
+    """`vault admit` as a user would run it, for the vault's own answer to compare with."""
+    args = [
+        f"--image={pins['PINVAULT_IMAGE']}",
+        f"--dataset={pins['PINVAULT_DATASET']}",
+        f"--seed={pins['PINVAULT_SEED']}",
+        f"--team={team}",
+    ]
+    if "PINVAULT_RUN_ID" in pins:
+        args.append(f"--run-id={pins['PINVAULT_RUN_ID']}")
+    return vault.run("admit", *args, "--porcelain")
+
+
+@contextmanager
+def plugin_conf(cluster: SlurmCluster, text: str) -> Iterator[None]:
+    """The plugin reads pinvault.conf at every submission: swap it for a while."""
+    conf = cluster.conf_dir / "pinvault.conf"
+    kept = conf.read_text()
+    conf.write_text(text)
+    try:
+        yield
+    finally:
+        conf.write_text(kept)
+
+
+def refusal(stderr: str) -> str:
+    """The reason sbatch showed, after checking it showed it as one line of error and no
+    job id and no traceback."""
+    assert "Traceback" not in stderr, stderr
+    found: list[str] = re.findall(
+        r"^sbatch: error: pinvault: job refused: (.*)$", stderr, re.MULTILINE
+    )
+    assert len(found) == 1, stderr
+    assert "Batch job submission failed" in stderr, stderr
+    return found[0]
+
+
+def test_a_job_without_pins_is_refused(cluster: SlurmCluster) -> None:
+    submitted = cluster.sbatch([], script="#!/bin/sh\ntrue\n")
+    assert submitted.returncode != 0, submitted.describe()
+    assert submitted.stdout == ""
+    reason = refusal(submitted.stderr)
+    assert "PINVAULT_IMAGE, PINVAULT_DATASET, PINVAULT_SEED not set" in reason
+
+
+def test_a_job_missing_its_seed_is_refused(cluster: SlurmCluster, pins: Pins) -> None:
+    env = pins.env()
+    del env["PINVAULT_SEED"]
+    submitted = cluster.sbatch([], env, script=SHOW_PINS)
+    assert submitted.returncode != 0, submitted.describe()
+    assert "(PINVAULT_SEED not set)" in refusal(submitted.stderr)
+
+
+def test_a_floating_tag_is_refused_with_the_vaults_reason(
+    cluster: SlurmCluster, vault: VaultServer, pins: Pins
+) -> None:
+    env = pins.env(PINVAULT_IMAGE="ubuntu:22.04")
+    submitted = cluster.sbatch(["--account=vision"], env, script=SHOW_PINS)
+    assert submitted.returncode != 0, submitted.describe()
+    vaults_word = admit(vault, env, "vision").error_line()
+    assert vaults_word.startswith("vault: INVALID_ARGUMENT: ")
+    assert "ubuntu:22.04" in vaults_word
+    assert refusal(submitted.stderr) == vaults_word.removeprefix("vault: ")
+    assert "Batch job submission failed: Access/permission denied" in submitted.stderr
+
+
+def test_an_image_that_is_not_pinned_is_refused(
+    cluster: SlurmCluster, vault: VaultServer, pins: Pins
+) -> None:
+    env = pins.env(PINVAULT_IMAGE=pins.unpinned_image)
+    submitted = cluster.sbatch(["--account=vision"], env, script=SHOW_PINS)
+    assert submitted.returncode != 0, submitted.describe()
+    vaults_word = admit(vault, env, "vision").error_line()
+    assert vaults_word.startswith("vault: FAILED_PRECONDITION: ")
+    assert pins.unpinned_image in vaults_word
+    assert refusal(submitted.stderr) == vaults_word.removeprefix("vault: ")
+
+
+def test_a_run_id_that_does_not_match_the_pins_is_refused(
+    cluster: SlurmCluster, vault: VaultServer, pins: Pins
+) -> None:
+    env = pins.env(PINVAULT_RUN_ID="sha256:" + "1" * 64)
+    submitted = cluster.sbatch(["--account=vision"], env, script=SHOW_PINS)
+    assert submitted.returncode != 0, submitted.describe()
+    vaults_word = admit(vault, env, "vision").error_line()
+    assert refusal(submitted.stderr) == vaults_word.removeprefix("vault: ")
+
+
+def test_pins_reach_the_vault_as_data_never_as_shell(
+    cluster: SlurmCluster, pins: Pins, tmp_path: Path
+) -> None:
+    # slurmctld runs the vault command through a shell, with values the user chose.
+    marker = tmp_path / "ran"
+    env = pins.env(
+        PINVAULT_DATASET=f"x';touch {marker};'",
+        PINVAULT_SEED=f"$(touch {marker})",
+        PINVAULT_RUN_ID=f"`touch {marker}`",
+    )
+    submitted = cluster.sbatch([], env, script=SHOW_PINS)
+    assert submitted.returncode != 0, submitted.describe()
+    assert refusal(submitted.stderr).startswith("INVALID_ARGUMENT: ")
+    assert not marker.exists()
+
+
+def test_a_pinned_job_runs_with_the_run_id_the_vault_recorded(
+    cluster: SlurmCluster, vault: VaultServer, pins: Pins
+) -> None:
+    submitted = cluster.sbatch(["--account=vision"], pins.env(), script=SHOW_PINS)
+    assert submitted.returncode == 0, submitted.describe()
+    assert submitted.stderr == ""
+    job_id = submitted.job_id
+
+    record = cluster.wait(job_id)
+    assert record["job_state"] == "COMPLETED", cluster.output(job_id)
+    seen = dict(line.split("=", 1) for line in cluster.output(job_id).splitlines())
+    run_id = seen["PINVAULT_RUN_ID"]
+
+    # What the vault wrote: a run entry naming this run id, its inputs, seed and team.
+    runs = vault.run("log", "--kind", "run", "--json").ok().json_lines()
+    entry = next(e for e in runs if e["subjects"][0] == run_id)
+    assert entry["subjects"][1:] == [pins.image, pins.dataset]
+    assert entry["meta"]["team"] == "vision"
+    assert seen["PINVAULT_SEED"] == entry["meta"]["seed"] == str(int(SEED, 16))
+    assert seen["PINVAULT_IMAGE"] == pins.image
+
+    # What anyone sees of the job: its run id on its record.
+    shown = cluster.run("scontrol", "show", "job", str(job_id))
+    assert shown.returncode == 0, shown.stderr
+    expected = f"AdminComment=pinvault run={run_id} seed={entry['meta']['seed']}"
+    assert expected in shown.stdout, shown.stdout
+
+
+def test_the_run_id_of_vault_run_is_admitted_again(
+    cluster: SlurmCluster, vault: VaultServer, pins: Pins
+) -> None:
+    # `vault run` admits first and hands the job its run id; the plugin's second admission
+    # must agree with it.
+    first = admit(vault, pins.env(), "vision").ok().stdout.split()[0]
+    run_id = first.removeprefix("run_id=")
+    env = pins.env(PINVAULT_RUN_ID=run_id)
+    submitted = cluster.sbatch(["--account=vision"], env, script=SHOW_PINS)
+    assert submitted.returncode == 0, submitted.describe()
+    job_id = submitted.job_id
+    assert cluster.wait(job_id)["job_state"] == "COMPLETED"
+    assert f"PINVAULT_RUN_ID={run_id}" in cluster.output(job_id).splitlines()
+
+
+def test_the_team_is_the_submitting_user_without_an_account(
+    cluster: SlurmCluster, vault: VaultServer, pins: Pins
+) -> None:
+    before = len(vault.run("log", "--json").ok().json_lines())
+    # A seed of its own makes a run no other test admitted, so the vault records it anew.
+    submitted = cluster.sbatch([], pins.env(PINVAULT_SEED="4242"), script=SHOW_PINS)
+    assert submitted.returncode == 0, submitted.describe()
+    assert cluster.wait(submitted.job_id)["job_state"] == "COMPLETED"
+    seen = dict(line.split("=", 1) for line in cluster.output(submitted.job_id).splitlines())
+    (entry,) = vault.run("log", "--json").ok().json_lines()[before:]
+    assert entry["kind"] == "run"
+    assert entry["subjects"][0] == seen["PINVAULT_RUN_ID"]
+    assert entry["meta"]["seed"] == "4242"
+    assert entry["meta"]["team"] == "root"  # the tests run as root, and so submit as root
+
+
+def test_sbatch_refuses_when_the_vault_is_down(
+    cluster: SlurmCluster, start_vault: StartVault, pins: Pins
+) -> None:
+    # A vault of this test's own, so that stopping it leaves the module's vault running.
+    with short_dir("pinvault-slurm-down-") as base:
+        own = start_vault("down", listen=f"unix:{base}/vault.sock")
+        files = plugin_files(base / "client.toml", own.address, base / "state")
+        with plugin_conf(cluster, files["pinvault.conf"]):
+            # It is this vault that is asked: the module's pins are unknown to it.
+            submitted = cluster.sbatch([], pins.env(), script=SHOW_PINS)
+            assert "FAILED_PRECONDITION" in refusal(submitted.stderr)
+
+            assert own.stop() == 0
+            submitted = cluster.sbatch([], pins.env(), script=SHOW_PINS)
+            assert submitted.returncode != 0, submitted.describe()
+            assert refusal(submitted.stderr).startswith("UNAVAILABLE: ")
+            assert "Batch job submission failed: Unspecified error" in submitted.stderr
+
+
+def test_a_misconfigured_plugin_refuses_and_says_so(cluster: SlurmCluster, pins: Pins) -> None:
+    conf = cluster.conf_dir / "pinvault.conf"
+    with plugin_conf(cluster, conf.read_text().replace("vault =", "vualt =")):
+        submitted = cluster.sbatch([], pins.env(), script=SHOW_PINS)
+    assert submitted.returncode != 0, submitted.describe()
+    assert refusal(submitted.stderr) == (
+        f"admission is misconfigured on the controller: {conf}:1: unknown key vualt"
+    )
+
+
+def test_an_admitted_job_keeps_the_account_it_was_admitted_for(
+    cluster: SlurmCluster, pins: Pins
+) -> None:
+    submitted = cluster.sbatch(["--hold", "--account=vision"], pins.env(), script=SHOW_PINS)
+    assert submitted.returncode == 0, submitted.describe()
+    job_id = submitted.job_id
+    try:
+        update = cluster.run("scontrol", "update", f"JobId={job_id}", "Account=audio")
+        assert update.returncode != 0
+        assert "Access/permission denied" in update.stderr
+        assert cluster.job(job_id)["account"] == "vision"
+    finally:
+        cluster.run("scancel", str(job_id))
+
+
+# -- the whole loop: vault run, the run library in the job, vault replay ----------------------
+
+# A deterministic job: its outputs depend on its seed and its dataset only.
+JOB = f"""#!/bin/sh
+#SBATCH --account=vision
+mkdir -p "run-$SLURM_JOB_ID" && cd "run-$SLURM_JOB_ID" || exit 1
+exec {sys.executable} - <<'PY'
+import vault.run
+
+with vault.run.start() as run:
+    rng = run.rng()
+    weights = bytes(rng.getrandbits(8) for _ in range(50_000))
+    run.checkpoint(1, {{"weights.bin": weights}})
+    with run.output("result.txt") as out:
+        out.write(f"seed {{run.seed}} score {{sum(weights) % 9973}}\\n".encode())
+PY
+"""
+
+
+class Lab:
+    def __init__(self, vault: VaultServer, cluster: SlurmCluster, folder: Path) -> None:
+        self.vault = vault
+        self.cluster = cluster
+        self.state = folder / "state"
+        image = folder / "image.tar"
+        image.write_bytes(b"an OCI image for the deterministic job\n")
+        self.image = vault.run("put", str(image)).ok().stdout.split()[0]
+        vault.run("pin", "image", self.image).ok()
+        data = folder / "dataset"
+        data.mkdir()
+        (data / "train.csv").write_text("x,y\n1,2\n3,4\n")
+        self.dataset = vault.run("dataset", "add", str(data)).ok().stdout.split()[0]
+        self.script = folder / "job.sbatch"
+        self.script.write_text(JOB)
+
+    def vault_command(self, *args: str) -> tuple[int, str, str]:
+        """A `vault` command inside the cluster's network, where `sbatch` reaches it."""
+        done = self.cluster.run(
+            *VAULT_COMMAND,
+            *args,
+            env={
+                "PINVAULT_CLIENT_SERVER": self.vault.address,
+                "PINVAULT_CLIENT_STATE_FILE": str(self.state / "trust.json"),
+            },
+            timeout=120,
+        )
+        return done.returncode, done.stdout, done.stderr
+
+    def run_job(self, seed: str) -> str:
+        """`vault run` of the deterministic job for team vision; what it printed."""
+        status, stdout, stderr = self.vault_command(
+            "run",
+            "--image",
+            self.image,
+            "--dataset",
+            self.dataset,
+            "--seed",
+            seed,
+            "--team",
+            "vision",
+            "--",
+            str(self.script),
+        )
+        assert status == 0, stderr
+        return stdout
+
+    def finished(self, stdout: str) -> tuple[int, str]:
+        """The job a `vault run|replay` launched, waited for; its id and its manifest."""
+        job_id = int(re.search(r"→ launching on cluster\s+job (\d+)", stdout).group(1))  # type: ignore[union-attr]
+        record = self.cluster.wait(job_id, timeout=120)
+        log = self.cluster.jobs_dir / f"slurm-{job_id}.out"
+        assert record["job_state"] == "COMPLETED", log.read_text(errors="replace")
+        replicate = (self.cluster.jobs_dir / f"run-{job_id}" / "replicate.sh").read_text()
+        lines = replicate.splitlines()
+        assert lines[0].startswith("#!") and len(lines) == 2, replicate
+        manifest = re.fullmatch(r"vault replay (sha256:[0-9a-f]{64})", lines[1])
+        assert manifest, replicate
+        return job_id, manifest.group(1)
+
+
+@pytest.fixture(scope="module")
+def lab(vault: VaultServer, cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Lab:
+    return Lab(vault, cluster, tmp_path_factory.mktemp("lab"))
+
+
+def test_vault_run_pins_submits_and_the_job_publishes_its_manifest(lab: Lab) -> None:
+    stdout = lab.run_job("0xC0FFEE")
+    for step in ("✓ image verified", "✓ dataset hash matched", "✓ pin vault entry created"):
+        assert step in stdout, stdout
+    run_id = re.search(r"→ run id\s+(sha256:\S+)", stdout).group(1)  # type: ignore[union-attr]
+
+    job_id, manifest_digest = lab.finished(stdout)
+    with VaultClient(lab.vault.address, timeout=60) as client:
+        manifest = load_run_manifest(client, manifest_digest)
+        assert manifest.run_id == run_id and manifest.seed == 0xC0FFEE
+        assert manifest.team == "vision"
+        assert manifest.environment.variables["SLURM_JOB_ID"] == str(job_id)
+        (result,) = manifest.outputs
+        assert result.path == "result.txt"
+        written = (lab.cluster.jobs_dir / f"run-{job_id}" / "result.txt").read_bytes()
+        assert written.startswith(b"seed 12648430 score ")
+        kinds = sorted(p.entry.kind for p in client.lookup(run_id))
+        assert kinds == ["artefact", "checkpoint", "run", "run"]
+
+
+def test_a_replay_makes_the_same_outputs_and_quotas_hold(lab: Lab) -> None:
+    stdout = lab.run_job("7")
+    _, original = lab.finished(stdout)
+
+    # replicate.sh's one line, as a reviewer runs it: the script comes from the manifest.
+    status, stdout, stderr = lab.vault_command("replay", original, "--team", "vision")
+    assert status == 0, stderr
+    assert "✓ run manifest published" in stdout
+    _, replayed = lab.finished(stdout)
+    with VaultClient(lab.vault.address, timeout=60) as client:
+        first = load_run_manifest(client, original)
+        again = load_run_manifest(client, replayed)
+    assert again.run_id == first.run_id and again.seed == 7
+    assert again.outputs == first.outputs
+    assert [c.manifest for c in again.checkpoints] == [c.manifest for c in first.checkpoints]
+    assert replayed != original  # its own manifest: where and when it ran differ
+
+    # Two held replays fill the team's slots; a third is refused with the reason.
+    held = []
+    for _ in range(2):
+        status, stdout, stderr = lab.vault_command(
+            "replay", original, "--team", "vision", "--", "--hold"
+        )
+        assert status == 0, stderr
+        held.append(re.search(r"job (\d+)", stdout).group(1))  # type: ignore[union-attr]
+    try:
+        status, stdout, stderr = lab.vault_command(
+            "replay", original, "--team", "vision", "--", "--hold"
+        )
+        assert status == 1, stdout
+        assert stderr.strip().splitlines()[-1] == (
+            "vault: RESOURCE_EXHAUSTED: team 'vision' already runs 2 replays (at most 2 at "
+            "once): wait for one to finish"
+        )
+    finally:
+        lab.cluster.run("scancel", *held)

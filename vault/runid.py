@@ -1,0 +1,152 @@
+"""A run's inputs and its run id (docs/run-manifest.md).
+
+A run id is the sha256 digest of the run's canonical inputs document: image, dataset, optional
+config, and seed. The same inputs are the same experiment and so the same run id; any changed
+digest or seed is a new one. Because the id is a digest, the vault stores the document as a blob
+and every entry of the run names it as a subject, so `vault lookup RUN_ID` lists the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Final
+
+from vault.digest import ALGORITHMS, Digest
+from vault.entry import canonical_json, load_json_object
+from vault.errors import InvalidArgument
+
+INPUTS_TYPE: Final = "pinvault.run-inputs"
+INPUTS_VERSION: Final = 1
+MAX_SEED: Final = 2**64 - 1
+MAX_INPUTS_BYTES: Final = 4096
+_FIELDS: Final = frozenset({"type", "v", "image", "dataset", "config", "seed"})
+
+# What a job carries in its environment: its pins, and what admission answered. They are the
+# job's, not the `vault` command's configuration, which skips them.
+JOB_VARIABLES: Final = frozenset(
+    {
+        "PINVAULT_IMAGE",
+        "PINVAULT_DATASET",
+        "PINVAULT_CONFIG_DIGEST",
+        "PINVAULT_SEED",
+        "PINVAULT_TEAM",
+        "PINVAULT_RUN_ID",
+        "PINVAULT_REPLAY_OF",
+        "PINVAULT_REPLAY_LEASE",
+        "PINVAULT_SCRIPT",
+    }
+)
+
+
+def parse_seed(value: str | int) -> int:
+    """A seed as a user writes it: decimal or 0x-hex, 0 to 2**64-1."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        seed = value
+    else:
+        text = str(value).strip()
+        try:
+            seed = int(text, 0)
+        except ValueError:
+            raise InvalidArgument(
+                f"bad seed {text[:40]!r}: expected an integer, decimal or 0x-hex"
+            ) from None
+    if not 0 <= seed <= MAX_SEED:
+        raise InvalidArgument(f"seed {seed} is out of range: expected 0 to 2**64-1")
+    return seed
+
+
+def _sha256_digest(name: str, value: str) -> str:
+    if not value:
+        raise InvalidArgument(f"no {name} digest: a run needs its {name} pinned by digest")
+    if "@" in value:
+        raise InvalidArgument(
+            f"{name} {value[:80]!r} is a reference: give just its digest, the part after '@'"
+        )
+    algorithm, sep, _ = value.partition(":")
+    if "/" in value or algorithm not in ALGORITHMS or not sep:
+        raise InvalidArgument(
+            f"{name} {value[:80]!r} is a floating name, not a digest: a tag can move, so a run "
+            f"names its {name} by sha256:<64 hex digits>"
+        )
+    try:
+        digest = Digest.parse(value)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{name}: {exc}") from None
+    if digest.algorithm != "sha256":
+        raise InvalidArgument(f"{name}: a run names its inputs by sha256, found {value!r}")
+    return str(digest)
+
+
+@dataclass(frozen=True, slots=True)
+class RunInputs:
+    """What makes a run the experiment it is."""
+
+    image: str
+    dataset: str
+    seed: int
+    config: str = ""
+
+    @classmethod
+    def checked(cls, *, image: str, dataset: str, seed: str | int, config: str = "") -> RunInputs:
+        """Inputs from a caller, each refused with a message that names it when it is not a
+        sha256 digest (a floating tag such as `name:tag` included)."""
+        return cls(
+            image=_sha256_digest("image", image),
+            dataset=_sha256_digest("dataset", dataset),
+            config=_sha256_digest("config", config) if config else "",
+            seed=parse_seed(seed),
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "type": INPUTS_TYPE,
+            "v": INPUTS_VERSION,
+            "image": self.image,
+            "dataset": self.dataset,
+            # A string: JSON readers disagree about integers above 2**53.
+            "seed": str(self.seed),
+        }
+        if self.config:
+            doc["config"] = self.config
+        return doc
+
+    def encode(self) -> bytes:
+        """The canonical (RFC 8785) bytes whose sha256 is the run id."""
+        return canonical_json(self.as_json())
+
+    @property
+    def run_id(self) -> str:
+        return "sha256:" + hashlib.sha256(self.encode()).hexdigest()
+
+    @property
+    def subjects(self) -> tuple[str, ...]:
+        return (
+            (self.image, self.dataset, self.config)
+            if self.config
+            else (
+                self.image,
+                self.dataset,
+            )
+        )
+
+    @classmethod
+    def decode(cls, data: bytes) -> RunInputs:
+        """Parse an inputs document; anything but the canonical form of valid inputs is
+        refused."""
+        obj = load_json_object("run inputs document", data, MAX_INPUTS_BYTES)
+        if not set(obj) <= _FIELDS or obj.get("type") != INPUTS_TYPE:
+            raise InvalidArgument(f"not a {INPUTS_TYPE} document")
+        if obj.get("v") != INPUTS_VERSION:
+            raise InvalidArgument(f"run inputs version {obj.get('v')!r} is not {INPUTS_VERSION}")
+        if not isinstance(obj.get("seed"), str):
+            raise InvalidArgument("run inputs seed must be a decimal string")
+        inputs = cls.checked(
+            image=str(obj.get("image", "")),
+            dataset=str(obj.get("dataset", "")),
+            config=str(obj.get("config", "")),
+            seed=obj["seed"],
+        )
+        if inputs.encode() != data:
+            raise InvalidArgument("run inputs document is not in canonical form")
+        return inputs
