@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any, Final, NoReturn
 
 from cli.access import add_access_commands
@@ -326,10 +327,28 @@ def cmd_verify(args: argparse.Namespace, config: Config) -> int:
                 if step.failed_digest:
                     failed += 1
                     print(f"  FAIL blob {step.failed_digest}: {step.failure}")
+                if step.copies:
+                    print(f"  blob {step.digest}: {_copies_line(step)}")
             bar.close()
             print(f"blobs: {checked} pinned blobs checked, {failed} failed")
             ok = ok and failed == 0
     return 0 if ok else 1
+
+
+def _copies_line(step: Any) -> str:
+    """Where a blob's copies are and when each was last verified; the repairs recorded."""
+    places = ", ".join(
+        f"{c.place} (verified {_when(c.last_verified)})"
+        if c.last_verified
+        else f"{c.place} (never verified)"
+        for c in step.copies
+    )
+    repairs = f"; {step.repairs} repair{'s' if step.repairs != 1 else ''} recorded"
+    return f"{len(step.copies)} copies: {places}" + (repairs if step.repairs else "")
+
+
+def _when(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # ---------------------------------------------------------------------- parser

@@ -3,14 +3,23 @@ before the put returns, and the replication worker runs beside it; reads go to t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from mirror.mirrors import Mirror, MirrorSet
 from mirror.queue import ReplicationQueue
 from mirror.replicate import Replicator
 from vault.digest import Digest
 from vault.errors import NotFound, Unavailable
-from vault.storage import BlobInfo, BlobStore, BlobWriter, Chunk, ChunkList, Closing
+from vault.storage import (
+    BlobInfo,
+    BlobStore,
+    BlobWriter,
+    Chunk,
+    ChunkList,
+    Closing,
+    Placed,
+    PlacementRecord,
+)
 
 
 class ReplicatingStore(Closing, BlobStore):
@@ -62,6 +71,12 @@ class ReplicatingStore(Closing, BlobStore):
 
     def delete(self, sha256: Digest) -> None:
         self.inner.delete(sha256)
+
+    def placements(self, sha256: Digest) -> Sequence[PlacementRecord]:
+        return self.inner.placements(sha256) if isinstance(self.inner, Placed) else []
+
+    def repair_count(self, sha256: Digest) -> int:
+        return self.inner.repair_count(sha256) if isinstance(self.inner, Placed) else 0
 
     def digests(self) -> Iterator[Digest]:
         return self.inner.digests()

@@ -277,3 +277,44 @@ def test_vault_serve_with_a_warm_tier_stores_reads_and_stops_cleanly(
     assert server.run("get", digest).ok().output == b"warm or hot\n"
     assert (tmp_path / "warm-tier" / "index.sqlite").exists()
     assert (server.data_dir / "tiers.db").exists()
+
+
+def test_verify_blobs_reports_each_copy_and_the_repairs_recorded(
+    start_vault: StartVault, tmp_path: Path
+) -> None:
+    server = start_vault(
+        env={
+            "PINVAULT_STORE_WARM_DIR": str(tmp_path / "warm-tier"),
+            # Unread for a second: warm; two copies wanted, so the hot copy stays too.
+            "PINVAULT_POLICY_WARM_AFTER_UNREAD_DAYS": str(1 / DAY),
+            "PINVAULT_POLICY_MIN_COPIES": "2",
+            "PINVAULT_POLICY_MIGRATE_INTERVAL": "0.2",
+        }
+    )
+    data = content(LARGE, seed=7)
+    (tmp_path / "model.bin").write_bytes(data)
+    digest = server.run("put", str(tmp_path / "model.bin")).ok().stdout.split()[0]
+    server.run("pin", "artefact", digest).ok()
+
+    deadline = time.monotonic() + 60
+    while True:
+        shown = server.run("verify", "--blobs").ok().stdout
+        if f"blob {digest}: 2 copies" in shown:
+            break
+        assert time.monotonic() < deadline, shown
+        time.sleep(0.3)
+    line = next(x for x in shown.splitlines() if x.startswith(f"  blob {digest}:"))
+    assert "hot (verified 20" in line and "warm (verified 20" in line
+    assert "repair" not in line
+
+    hex_ = digest.partition(":")[2]
+    copy = server.data_dir / "hot" / "blobs" / hex_[:2] / hex_
+    copy.chmod(0o644)
+    damaged = bytearray(copy.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x10
+    copy.write_bytes(damaged)
+
+    shown = server.run("verify", "--blobs").ok().stdout
+    assert "blobs: 1 pinned blobs checked, 0 failed" in shown
+    assert f"blob {digest}: 2 copies" in shown and "; 1 repair recorded" in shown
+    assert server.run("get", digest).ok().output == data

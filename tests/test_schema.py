@@ -72,3 +72,26 @@ def test_an_upgrade_keeps_every_entry(tmp_path: Path, monkeypatch: pytest.Monkey
     assert ledger.checkpoint(10).checkpoint.root == root
     ledger.close()
     db.dispose()
+
+
+def test_a_version_1_database_gains_the_replay_and_token_tables(tmp_path: Path) -> None:
+    """Schema 2 adds replay leases and tokens to a vault made by an older pinvault."""
+    url = f"sqlite:///{tmp_path / 'v.db'}"
+    key = SigningKey.generate("schema.test/ledger")
+    db = open_database(url)
+    ledger = Ledger(db, key, origin="schema.test/ledger")
+    ledger.append([_pin(n) for n in range(3)])
+    ledger.close()
+    with db.write.begin() as conn:
+        conn.execute(text("DROP TABLE replay_leases"))
+        conn.execute(text("DROP TABLE tokens"))
+        conn.execute(tables.schema_version.update().values(version=1))
+    db.dispose()
+
+    db = open_database(url)
+    with db.read.connect() as conn:
+        assert conn.execute(select(tables.schema_version.c.version)).scalar_one() == 2
+        assert conn.execute(select(tables.replay_leases.c.lease)).all() == []
+        assert conn.execute(select(tables.tokens.c.token_id)).all() == []
+        assert len(conn.execute(select(tables.entries.c.idx)).all()) == 3
+    db.dispose()

@@ -573,6 +573,10 @@ class TierManager(Closing):
         self.journal.flush_reads()
         return self.journal.placements(sha256)
 
+    def repair_count(self, sha256: Digest) -> int:
+        """How many damaged or missing copies of the blob the journal records."""
+        return len(self.journal.records(sha256))
+
     def adopt(self, names: Iterable[str] | None = None) -> int:
         """Journal every copy on the named tiers (default: all) that the journal does not
         know, such as blobs stored before the journal kept placements; returns how many."""

@@ -17,7 +17,7 @@ from vault import db as tables
 from vault.db import Database, Writer
 from vault.digest import Digest, check_digest
 from vault.errors import IntegrityError, InvalidArgument, NotFound, VaultError
-from vault.storage import BatchBlob, BlobInfo, BlobStore, Chunk, put_many
+from vault.storage import BatchBlob, BlobInfo, BlobStore, Chunk, Placed, PlacementRecord, put_many
 
 _QUERY_BATCH: Final = 450
 
@@ -229,6 +229,13 @@ class Content:
         except VaultError as exc:
             return BlobCheck(digest, found.info.size, f"could not be checked: {exc}")
         return BlobCheck(digest, found.info.size)
+
+    def placements(self, digest: str) -> tuple[list[PlacementRecord], int]:
+        """A blob's copies and the repairs recorded of it, where the store journals them."""
+        if not isinstance(self.store, Placed):
+            return [], 0
+        sha256 = Digest.parse(digest)
+        return list(self.store.placements(sha256)), self.store.repair_count(sha256)
 
     def count(self) -> int:
         with self.db.read.connect() as conn:

@@ -334,14 +334,20 @@ class StoreService(_Service, rpc.StoreServicer):
         for checked, digest in enumerate(pinned, start=1):
             result = self.content.check(digest)
             total_bytes += result.size
-            if result.failure or checked % 100 == 0 or checked == len(pinned):
-                yield pb.VerifyBlobsProgress(
-                    checked=checked,
-                    total=len(pinned),
-                    bytes=total_bytes,
-                    failed_digest=digest if result.failure else "",
-                    failure=result.failure,
-                )
+            # After the check, which refreshed each copy's time of verification.
+            copies, repairs = self.content.placements(digest)
+            yield pb.VerifyBlobsProgress(
+                checked=checked,
+                total=len(pinned),
+                bytes=total_bytes,
+                failed_digest=digest if result.failure else "",
+                failure=result.failure,
+                digest=digest,
+                copies=[
+                    pb.BlobCopy(place=c.tier, last_verified=c.last_verified or 0.0) for c in copies
+                ],
+                repairs=repairs,
+            )
         if not pinned:
             yield pb.VerifyBlobsProgress(checked=0, total=0)
 

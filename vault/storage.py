@@ -8,11 +8,11 @@ import queue
 import re
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Final, Protocol, Self
+from typing import Final, Protocol, Self, runtime_checkable
 
 import blake3
 
@@ -420,6 +420,26 @@ class BatchPut:
         fails, the error propagates and nothing of the batch is left but blobs already
         durable in place."""
         raise NotImplementedError
+
+
+class PlacementRecord(Protocol):
+    """What an audit reports of one copy: where it is and when it was last verified."""
+
+    @property
+    def tier(self) -> str: ...
+
+    @property
+    def last_verified(self) -> float | None: ...
+
+
+@runtime_checkable
+class Placed(Protocol):
+    """A store that keeps several copies of a blob and journals them (the tier manager, and
+    what wraps it): `vault verify --blobs` reports each copy and the repairs recorded."""
+
+    def placements(self, sha256: Digest) -> Sequence[PlacementRecord]: ...
+
+    def repair_count(self, sha256: Digest) -> int: ...
 
 
 class Closing:

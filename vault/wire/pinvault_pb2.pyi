@@ -336,12 +336,22 @@ class VerifyBlobsProgress(_message.Message):
     BYTES_FIELD_NUMBER: _builtins.int
     FAILED_DIGEST_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    COPIES_FIELD_NUMBER: _builtins.int
+    REPAIRS_FIELD_NUMBER: _builtins.int
     checked: _builtins.int
     total: _builtins.int
     bytes: _builtins.int
     failed_digest: _builtins.str
     """Set for a blob that is missing or does not match its digest."""
     failure: _builtins.str
+    digest: _builtins.str
+    """The blob just checked, where its copies are, and how many repairs of it were recorded
+    (empty where the store keeps no placements: a single tier).
+    """
+    repairs: _builtins.int
+    @_builtins.property
+    def copies(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlobCopy]: ...
     def __init__(
         self,
         *,
@@ -350,14 +360,42 @@ class VerifyBlobsProgress(_message.Message):
         bytes: _builtins.int = ...,
         failed_digest: _builtins.str = ...,
         failure: _builtins.str = ...,
+        digest: _builtins.str = ...,
+        copies: _abc.Iterable[Global___BlobCopy] | None = ...,
+        repairs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "checked", b"checked", "failed_digest", b"failed_digest", "failure", b"failure", "total", b"total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "checked", b"checked", "copies", b"copies", "digest", b"digest", "failed_digest", b"failed_digest", "failure", b"failure", "repairs", b"repairs", "total", b"total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___VerifyBlobsProgress: _TypeAlias = VerifyBlobsProgress  # noqa: Y015
+
+@_typing.final
+class BlobCopy(_message.Message):
+    """One copy of a blob in one place (a tier or a mirror)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PLACE_FIELD_NUMBER: _builtins.int
+    LAST_VERIFIED_FIELD_NUMBER: _builtins.int
+    place: _builtins.str
+    last_verified: _builtins.float
+    """When this copy was last read back and found intact, in seconds since 1970; 0 if never."""
+    def __init__(
+        self,
+        *,
+        place: _builtins.str = ...,
+        last_verified: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_verified", b"last_verified", "place", b"place"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlobCopy: _TypeAlias = BlobCopy  # noqa: Y015
 
 @_typing.final
 class Entry(_message.Message):
