@@ -1,6 +1,7 @@
 """What the pinvault admission plugin adds to `sbatch`: submit latency (median and p99) into a
-private one-node Slurm with slurm/job_submit.lua, beside the same Slurm without it, submitted
-alternately in the same run. Needs root and Debian's Slurm and munge (see scripts/test).
+private one-node Slurm with slurm/job_submit.lua asking through the admission agent and through
+the `vault admit` command, beside the same Slurm without the plugin, submitted in turn in the
+same run. Needs root, Debian's Slurm and munge, and lua-socket for the agent (see scripts/test).
 
     uv run python -m bench.sbatch [--jobs 100]
 """
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 from bench.common import row
+from tests.services.agent import AdmissionAgent
 from tests.services.slurm import SlurmCluster
 from tests.services.vault_server import VAULT_COMMAND, VaultServer
 
@@ -60,46 +62,13 @@ def pin_inputs(vault: VaultServer, folder: Path) -> dict[str, str]:
     return {"PINVAULT_IMAGE": digest, "PINVAULT_DATASET": manifest, "PINVAULT_SEED": "7"}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--jobs", type=int, default=100, help="submissions to each cluster")
-    parser.add_argument("--warmup", type=int, default=5)
-    args = parser.parse_args()
-    if len(VAULT_COMMAND) != 1:
-        raise SystemExit("the `vault` script is not installed in the venv: run `uv sync`")
-    # /tmp keeps the vault's socket path within the 108 bytes a Unix socket allows.
-    with tempfile.TemporaryDirectory(prefix="pinvault-bench-", dir="/tmp") as tmp:
-        folder = Path(tmp)
-        # The clusters run in network namespaces of their own; the vault's socket path
-        # reaches into them where a 127.0.0.1 port would not.
-        with VaultServer(folder / "vault", listen=f"unix:{folder}/vault.sock") as vault:
-            pins = pin_inputs(vault, folder)
-            client = folder / "client.toml"
-            client.write_text(f'[client]\nserver = "{vault.address}"\n')
-            conf = (
-                f"vault = {VAULT_COMMAND[0]}\nclient_config = {client}\n"
-                f"state_dir = {folder / 'controller-state'}\ntimeout = 8\n"
-            )
-            with (
-                SlurmCluster() as plain,
-                SlurmCluster(job_submit=PLUGIN, files={"pinvault.conf": conf}) as pinned,
-            ):
-                for _ in range(args.warmup):
-                    submit(plain, pins)
-                    submit(pinned, pins)
-                base: list[float] = []
-                ours: list[float] = []
-                # Alternating spreads the machine's noise over both series alike.
-                for _ in range(args.jobs):
-                    base.append(submit(plain, pins))
-                    ours.append(submit(pinned, pins))
-    b50, b99 = statistics.median(base), percentile(base, 0.99)
-    o50, o99 = statistics.median(ours), percentile(ours, 0.99)
+def report(label: str, samples: list[float], base: list[float]) -> None:
     ms = 1000
-    print(f"sbatch submit latency, {args.jobs} jobs each; baseline: the same Slurm, no plugin")
+    o50, o99 = statistics.median(samples), percentile(samples, 0.99)
+    b50, b99 = statistics.median(base), percentile(base, 0.99)
     print(
         row(
-            "sbatch with pinvault admission, median",
+            f"{label}, median",
             f"{o50 * ms:.0f} ms",
             f"{b50 * ms:.0f} ms",
             o50 / b50,
@@ -108,13 +77,68 @@ def main() -> None:
     )
     print(
         row(
-            "sbatch with pinvault admission, p99",
+            f"{label}, p99",
             f"{o99 * ms:.0f} ms",
             f"{b99 * ms:.0f} ms",
             o99 / b99,
             f"added {(o99 - b99) * ms:.0f} ms, goal < {GOAL_P99_ADDED * ms:.0f} ms",
         )
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--jobs", type=int, default=100, help="submissions on each path")
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    if len(VAULT_COMMAND) != 1:
+        raise SystemExit("the `vault` script is not installed in the venv: run `uv sync`")
+    # /tmp keeps the sockets' paths within the 108 bytes a Unix socket allows.
+    with tempfile.TemporaryDirectory(prefix="pinvault-bench-", dir="/tmp") as tmp:
+        folder = Path(tmp)
+        # The clusters run in network namespaces of their own; the vault's socket path
+        # reaches into them where a 127.0.0.1 port would not.
+        with (
+            VaultServer(folder / "vault", listen=f"unix:{folder}/vault.sock") as vault,
+            AdmissionAgent(folder / "agent", vault.address) as agent,
+        ):
+            pins = pin_inputs(vault, folder)
+            client = folder / "client.toml"
+            client.write_text(f'[client]\nserver = "{vault.address}"\n')
+            by_command = (
+                f"vault = {VAULT_COMMAND[0]}\nclient_config = {client}\n"
+                f"state_dir = {folder / 'controller-state'}\ntimeout = 8\n"
+            )
+            # No client_config: should the agent not be asked, every job would be refused.
+            by_agent = f"agent = {agent.socket}\ntimeout = 8\n"
+            with (
+                SlurmCluster() as plain,
+                SlurmCluster(job_submit=PLUGIN, files={"pinvault.conf": by_command}) as pinned,
+            ):
+                conf = pinned.conf_dir / "pinvault.conf"
+                paths = {"agent": by_agent, "command": by_command}
+
+                def through(path: str) -> float:
+                    # The plugin reads its configuration at every submission.
+                    conf.write_text(paths[path])
+                    return submit(pinned, pins)
+
+                for _ in range(args.warmup):
+                    submit(plain, pins)
+                    through("agent")
+                    through("command")
+                base: list[float] = []
+                timed: dict[str, list[float]] = {"agent": [], "command": []}
+                # Taking turns spreads the machine's noise over every series alike.
+                for _ in range(args.jobs):
+                    base.append(submit(plain, pins))
+                    for path, samples in timed.items():
+                        samples.append(through(path))
+    print(f"sbatch submit latency, {args.jobs} jobs each; baseline: the same Slurm, no plugin")
+    report("sbatch, admitted through the agent", timed["agent"], base)
+    report("sbatch, admitted by `vault admit`", timed["command"], base)
+    added = percentile(timed["agent"], 0.99) - percentile(base, 0.99)
+    print(f"goal {'met' if added < GOAL_P99_ADDED else 'NOT met'}: added p99 through the agent")
 
 
 if __name__ == "__main__":

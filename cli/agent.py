@@ -33,9 +33,15 @@ Connect = Callable[[Config], VaultClient]
 MAX_REQUEST: Final = 16 * 1024
 # The plugin sends its line at once, so a request still incomplete after this is refused.
 REQUEST_SECONDS: Final = 3.0
+# After answering, how long and how much of an unread request is drained before closing.
+DRAIN_SECONDS: Final = 0.5
+MAX_DRAIN: Final = 1 << 20
 # Each vault call's deadline unless client.timeout sets one: below the plugin's default
 # timeout (5 s), so that the plugin hears the vault's UNAVAILABLE rather than its own.
 VAULT_SECONDS: Final = 4.0
+# Pauses before asking the vault again on a new channel after UNAVAILABLE: a vault that is
+# down is told in well under a second, one that is back is asked.
+RENEW_PAUSES: Final = (0.05, 0.25)
 # More requests at once than slurmctld (which admits one job at a time) ever makes.
 MAX_CONCURRENT: Final = 64
 SOCKET_MODE: Final = 0o660
@@ -119,21 +125,28 @@ class Agent:
 
     def _admit(self, fields: dict[str, str]) -> dict[str, Any]:
         client = self._client
-        try:
-            admission = client.admit(**fields)
-        except Unavailable:
-            # Once more on a new channel: the vault may be back while this one still backs off.
-            client = self._renew(client)
-            admission = client.admit(**fields)
+        for pause in (*RENEW_PAUSES, None):
+            try:
+                admission = client.admit(**fields)
+                break
+            except Unavailable:
+                if pause is None:
+                    raise
+                # Again on a new channel: the vault may be back while this one backs off.
+                client = self._renew(client, pause)
         log.info("admitted run %s for team %s", admission.run_id, admission.team)
         return {"admitted": True, "run_id": admission.run_id, "seed": str(admission.seed)}
 
-    def _renew(self, stale: VaultClient) -> VaultClient:
+    def _renew(self, stale: VaultClient, pause: float) -> VaultClient:
         with self._lock:
             # Concurrent requests that failed together make one new client, not one each.
             if self._client is stale:
-                self._client = self._connect(self._config)
+                # gRPC shares connections between channels to the same address and tears a
+                # closed channel's down in the background: closed first, and a moment given,
+                # so that the new channel connects anew rather than join the backing-off one.
                 stale.close()
+                time.sleep(pause)
+                self._client = self._connect(self._config)
             return self._client
 
 
@@ -149,16 +162,13 @@ def _parse(line: bytes) -> dict[str, str]:
         raise InvalidArgument("the request is not a JSON object")
     unknown = sorted(set(request) - set(_FIELDS))
     if unknown:
-        raise InvalidArgument(
-            f"unknown request field {unknown[0]!r} (known: {', '.join(_FIELDS)})"
-        )
+        raise InvalidArgument(f"unknown request field {unknown[0]!r} (known: {', '.join(_FIELDS)})")
     missing = [name for name in _REQUIRED if request.get(name, "") == ""]
     if missing:
         raise InvalidArgument(f"the request has no {', '.join(missing)}")
     fields: dict[str, str] = {}
     for name, value in request.items():
-        if isinstance(value, int) and not isinstance(value, bool) and name == "seed":
-            value = str(value)
+        # Strings only, the seed too, as the command's arguments are.
         if not isinstance(value, str):
             raise InvalidArgument(f"request field {name!r} is not a string")
         fields[name] = value
@@ -193,6 +203,15 @@ class _Handler(socketserver.BaseRequestHandler):
             connection.sendall(data)
         except OSError as exc:
             log.warning("could not answer (the plugin gave up?): %s", exc.strerror or exc)
+            return
+        # Closing with a request's unread rest would reset the connection and lose the answer
+        # (an oversized request's sender is still sending): end ours, and drain a little.
+        with contextlib.suppress(OSError):
+            connection.shutdown(socket.SHUT_WR)
+            connection.settimeout(DRAIN_SECONDS)
+            drained = 0
+            while drained < MAX_DRAIN and (piece := connection.recv(65536)):
+                drained += len(piece)
 
 
 def _read_line(connection: socket.socket) -> bytes:

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from typing import Any, Final, NoReturn
 
 from cli.access import add_access_commands
+from cli.agent import add_agent_commands
 from cli.dataset import add_dataset_commands
 from cli.mirror import add_mirror_commands
 from cli.progress import Progress
@@ -468,6 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tier_commands(sub)
     add_run_commands(sub, _client)
     add_access_commands(sub, _client)
+    add_agent_commands(sub, _client)
     return parser
 
 

@@ -101,10 +101,17 @@ class _QueueingWriter(BlobWriter):
         self._inner.abort()
 
 
+class MirrorUnreachable(NotFound, Unavailable):
+    """A mirror that cannot be reached: a NotFound, so that a read or a check goes on to the
+    next copy, and an Unavailable, so that its copy is not taken for missing (and rewritten,
+    or reported lost) when it is only out of reach."""
+
+
 class MirrorReads(BlobStore):
     """A mirror as one tier of the tier manager, for reads: a mirror that cannot be reached
-    answers as if it lacked the blob, so that a read or a check goes on to the next copy
-    instead of failing; damage (IntegrityError) still surfaces, so it is repaired."""
+    answers MirrorUnreachable, as if it lacked the blob, so that a read or a check goes on to
+    the next copy instead of failing; damage (IntegrityError) still surfaces, so it is
+    repaired."""
 
     def __init__(self, mirror: Mirror) -> None:
         self.mirror = mirror
@@ -161,6 +168,6 @@ class MirrorReads(BlobStore):
         except Unavailable as error:
             self.mirror.seen_down(str(error))
 
-    def _down(self, error: Unavailable) -> NotFound:
+    def _down(self, error: Unavailable) -> MirrorUnreachable:
         self.mirror.seen_down(str(error))
-        return NotFound(f"mirror {self.mirror.name} cannot be reached: {error}")
+        return MirrorUnreachable(f"mirror {self.mirror.name} cannot be reached: {error}")

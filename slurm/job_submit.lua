@@ -7,19 +7,24 @@ The job's pins come from the environment sbatch exports with it:
   PINVAULT_CONFIG_DIGEST, PINVAULT_RUN_ID          (optional; `vault run` sets the run id)
 The team is the job's --account, or else the submitting user's name.
 
-The decision is the vault's: the plugin runs `vault admit --porcelain` and either
+The decision is the vault's: the plugin asks the admission agent (`vault admission-agent`, a
+warm client beside slurmctld) on its Unix socket when pinvault.conf names one and lua-socket is
+installed, and otherwise runs `vault admit --porcelain`; then it either
   - accepts the job, writes "pinvault run=<run id> seed=<seed>" into its AdminComment (which
     only an administrator can change) and sets PINVAULT_RUN_ID and PINVAULT_SEED in the job's
     environment, or
   - refuses it, showing the user the vault's one-line reason. Anything else that goes wrong
-    (no vault, no answer in time, no configuration) refuses too: the plugin fails closed.
+    (no vault, no agent, no answer in time, an answer not understood, no configuration)
+    refuses too: the plugin fails closed.
 
 Its own settings are read from pinvault.conf next to this file; see slurm/README.md.
 ]]
 
 local CONF_NAME = "pinvault.conf"
 local DEFAULTS = { vault = "vault", timeout = "5", path = "/usr/local/bin:/usr/bin:/bin" }
-local KEYS = { vault = true, client_config = true, state_dir = true, timeout = true, path = true }
+local KEYS = {
+	vault = true, client_config = true, state_dir = true, timeout = true, path = true, agent = true,
+}
 
 -- This file's folder: Slurm loads job_submit.lua from the folder slurm.conf is in, and the
 -- plugin's own configuration sits beside it.
@@ -59,8 +64,12 @@ local function read_conf()
 		end
 	end
 	file:close()
-	if not conf.client_config or conf.client_config == "" then
+	-- The agent has its own client configuration; the vault command needs this one.
+	if (not conf.client_config or conf.client_config == "") and not conf.agent then
 		return nil, path .. ": client_config is not set"
+	end
+	if conf.agent == "" then
+		return nil, path .. ": agent names no socket"
 	end
 	if not tonumber(conf.timeout) then
 		return nil, path .. ": timeout must be a number of seconds"
@@ -86,7 +95,7 @@ local function refuse(reason)
 end
 
 -- Runs `vault admit`; returns run id and seed, or nil and the reason to show the user.
-local function admit(conf, pins)
+local function admit_by_command(conf, pins)
 	-- `env -i`: nothing of slurmctld's own environment (a PINVAULT_* variable, a HOME with
 	-- no trust state) may change which vault is asked or how it is trusted.
 	local env = { "env", "-i", "PATH=" .. quote(conf.path), "LANG=C.UTF-8",
@@ -149,6 +158,218 @@ local function admit(conf, pins)
 	end
 	return nil, "the vault command failed (exit " .. tostring(status) .. "): "
 		.. (lines[#lines] or "no output")
+end
+
+-- lua-socket (Debian: lua-socket), loaded at the first submission that names an agent; nil
+-- when it is not installed, and then the vault command is asked instead.
+local unix_sockets, socket_core, sockets_missing
+
+local function load_sockets()
+	if unix_sockets == nil and sockets_missing == nil then
+		local ok_unix, unix = pcall(require, "socket.unix")
+		local ok_core, core = pcall(require, "socket.core")
+		if ok_unix and ok_core then
+			unix_sockets, socket_core = unix, core
+		else
+			sockets_missing = tostring(ok_unix and core or unix):gsub("%s+", " ")
+			slurm.log_info("pinvault: lua-socket cannot be loaded, so admissions run the vault "
+				.. "command instead of asking the agent: %s", sockets_missing)
+		end
+	end
+	return unix_sockets
+end
+
+-- The agent reads one line of JSON. Pins come from the user: every quote, backslash and
+-- control character is escaped, so a value cannot end its string or the line.
+local JSON_NAMED = { ['"'] = '\\"', ["\\"] = "\\\\", ["\n"] = "\\n", ["\r"] = "\\r", ["\t"] = "\\t" }
+
+local function json_string(value)
+	local escaped = value:gsub('[%c"\\]', function(c)
+		return JSON_NAMED[c] or string.format("\\u%04x", c:byte())
+	end)
+	return '"' .. escaped .. '"'
+end
+
+local function agent_request(pins)
+	local fields = {}
+	for _, name in ipairs({ "image", "dataset", "config", "seed", "team", "run_id" }) do
+		if pins[name] then
+			table.insert(fields, json_string(name) .. ":" .. json_string(pins[name]))
+		end
+	end
+	return "{" .. table.concat(fields, ",") .. "}\n"
+end
+
+local JSON_UNESCAPED = { ['"'] = '"', ["\\"] = "\\", ["/"] = "/", b = "\b", f = "\f", n = "\n",
+	r = "\r", t = "\t" }
+
+local function utf8_char(code)
+	if code < 0x80 then
+		return string.char(code)
+	elseif code < 0x800 then
+		return string.char(0xC0 + math.floor(code / 0x40), 0x80 + code % 0x40)
+	elseif code < 0x10000 then
+		return string.char(0xE0 + math.floor(code / 0x1000), 0x80 + math.floor(code / 0x40) % 0x40,
+			0x80 + code % 0x40)
+	end
+	return string.char(0xF0 + math.floor(code / 0x40000), 0x80 + math.floor(code / 0x1000) % 0x40,
+		0x80 + math.floor(code / 0x40) % 0x40, 0x80 + code % 0x40)
+end
+
+-- The JSON string that starts at text[pos] (its opening quote): its value and the position
+-- after it, or nil.
+local function read_string(text, pos)
+	local out = {}
+	local i = pos + 1
+	while true do
+		local c = text:sub(i, i)
+		if c == "" then
+			return nil
+		elseif c == '"' then
+			return table.concat(out), i + 1
+		elseif c == "\\" then
+			local e = text:sub(i + 1, i + 1)
+			if e == "u" then
+				local hex = text:match("^%x%x%x%x", i + 2)
+				if not hex then
+					return nil
+				end
+				local code = tonumber(hex, 16)
+				i = i + 6
+				if code >= 0xD800 and code < 0xDC00 then
+					local low = tonumber(text:match("^\\u(%x%x%x%x)", i) or "", 16)
+					if low and low >= 0xDC00 and low < 0xE000 then
+						code = 0x10000 + (code - 0xD800) * 0x400 + (low - 0xDC00)
+						i = i + 6
+					else
+						code = 0xFFFD
+					end
+				elseif code >= 0xDC00 and code < 0xE000 then
+					code = 0xFFFD
+				end
+				table.insert(out, utf8_char(code))
+			elseif JSON_UNESCAPED[e] then
+				table.insert(out, JSON_UNESCAPED[e])
+				i = i + 2
+			else
+				return nil
+			end
+		else
+			local run = text:match('^[^"\\]+', i)
+			if run:find("[%z\1-\31]") then
+				return nil
+			end
+			table.insert(out, run)
+			i = i + #run
+		end
+	end
+end
+
+-- The agent's answer: one JSON object whose values are strings or booleans, or nil.
+local function decode_answer(text)
+	local answer = {}
+	local pos = text:match("^%s*{%s*()")
+	if not pos then
+		return nil
+	end
+	if text:match("^}%s*$", pos) then
+		return answer
+	end
+	while true do
+		if text:sub(pos, pos) ~= '"' then
+			return nil
+		end
+		local key, value
+		key, pos = read_string(text, pos)
+		pos = key and text:match("^%s*:%s*()", pos)
+		if not pos then
+			return nil
+		end
+		if text:sub(pos, pos) == '"' then
+			value, pos = read_string(text, pos)
+			if value == nil then
+				return nil
+			end
+		else
+			local word, after = text:match("^(%a+)()", pos)
+			if word ~= "true" and word ~= "false" then
+				return nil
+			end
+			value, pos = word == "true", after
+		end
+		answer[key] = value
+		local separator, after = text:match("^%s*([,}])%s*()", pos)
+		if separator == "}" then
+			return after == #text + 1 and answer or nil
+		elseif separator ~= "," then
+			return nil
+		end
+		pos = after
+	end
+end
+
+-- Asks the admission agent; returns run id and seed, or nil and the reason to show the user.
+-- The whole exchange shares one deadline, as the vault command's does.
+local function admit_by_agent(conf, pins, unix)
+	local deadline = socket_core.gettime() + tonumber(conf.timeout)
+	local function left()
+		return math.max(deadline - socket_core.gettime(), 0)
+	end
+	local where = "the admission agent at " .. conf.agent
+	local client, err = unix.stream()
+	if not client then
+		return nil, "UNAVAILABLE: no socket to ask " .. where .. ": " .. tostring(err)
+	end
+	local function failed(reason)
+		client:close()
+		return nil, reason
+	end
+	client:settimeout(left(), "t")
+	local ok
+	ok, err = client:connect(conf.agent)
+	if not ok then
+		return failed("UNAVAILABLE: " .. where .. " cannot be reached: " .. tostring(err))
+	end
+	client:settimeout(left(), "t")
+	ok, err = client:send(agent_request(pins))
+	if not ok then
+		return failed("UNAVAILABLE: " .. where .. " took no request: " .. tostring(err))
+	end
+	client:settimeout(left(), "t")
+	local line
+	line, err = client:receive("*l")
+	client:close()
+	if not line then
+		if err == "timeout" then
+			return nil, "UNAVAILABLE: no answer from " .. where .. " in " .. conf.timeout .. " s"
+		end
+		return nil, "UNAVAILABLE: " .. where .. " closed the connection without an answer"
+	end
+	local answer = decode_answer(line)
+	if answer and answer.admitted == true and type(answer.run_id) == "string"
+		and type(answer.seed) == "string" and answer.run_id:match("^sha256:" .. string.rep("%x", 64) .. "$")
+		and answer.seed:match("^%d+$") then
+		return answer.run_id, answer.seed
+	end
+	if answer and answer.admitted == false and type(answer.reason) == "string"
+		and answer.reason:match("%S") then
+		-- The vault's one-line reason, word for word (it never holds a line break).
+		return nil, (answer.reason:gsub("%s+", " "))
+	end
+	return nil, where .. " gave an answer that was not understood: " .. line:sub(1, 200)
+end
+
+-- The agent when one is named and lua-socket is there; the vault command otherwise.
+local function admit(conf, pins)
+	local unix = conf.agent and load_sockets()
+	if unix then
+		return admit_by_agent(conf, pins, unix)
+	end
+	if not conf.client_config or conf.client_config == "" then
+		return nil, "admission is misconfigured on the controller: lua-socket cannot be loaded "
+			.. "to ask the agent, and pinvault.conf sets no client_config for the vault command"
+	end
+	return admit_by_command(conf, pins)
 end
 
 function slurm_job_submit(job_desc, part_list, submit_uid)

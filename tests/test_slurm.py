@@ -1,7 +1,9 @@
 """The lab's rule in a real Slurm: sbatch refuses a job whose pins the vault does not admit and
 shows the vault's reason; an admitted job runs with its run id and seed in its environment and
 its run id on its record. slurm/job_submit.lua runs in a private one-node cluster (see
-tests/services/slurm.py) and asks a real `vault serve` through the real `vault admit`.
+tests/services/slurm.py) and asks a real `vault serve` through the real `vault admit`, and
+again through a real `vault admission-agent` on a Unix socket; when the agent is down, silent or
+talks nonsense, the job is refused with a reason.
 
 Then the whole loop: `vault run` checks, pins and submits a job; the job records its outputs
 and checkpoint with the run library and publishes its run manifest and replicate.sh; `vault
@@ -12,8 +14,11 @@ from __future__ import annotations
 
 import re
 import shutil
+import socket
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import StartVault
+from tests.services.agent import AdmissionAgent
 from tests.services.slurm import SlurmCluster
 from tests.services.vault_server import VAULT_COMMAND, VaultRun, VaultServer
 from vault.client import VaultClient
@@ -319,6 +325,204 @@ def test_an_admitted_job_keeps_the_account_it_was_admitted_for(
         assert cluster.job(job_id)["account"] == "vision"
     finally:
         cluster.run("scancel", str(job_id))
+
+
+# -- through the admission agent -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def agent(vault: VaultServer) -> Iterator[AdmissionAgent]:
+    """A real `vault admission-agent` beside slurmctld, asking the module's vault."""
+    with short_dir("pinvault-slurm-agent-") as base, AdmissionAgent(base, vault.address) as agent:
+        yield agent
+        assert "Traceback" not in agent.log(), agent.log()
+
+
+def agent_conf(socket_path: Path, timeout: int = 8) -> str:
+    """pinvault.conf naming an agent and no client_config: a plugin that ran the vault command
+    instead of asking the agent would refuse every job as misconfigured."""
+    return f"agent = {socket_path}\ntimeout = {timeout}\n"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"PINVAULT_IMAGE": "ubuntu:22.04"},
+        {"PINVAULT_IMAGE": "unpinned"},
+        {"PINVAULT_RUN_ID": "sha256:" + "1" * 64},
+        # What JSON must escape, and what a shell would run.
+        {"PINVAULT_DATASET": 'a"b\\c\td\u00e9\'};{"admitted": true}'},
+        {"PINVAULT_SEED": "$(touch /tmp/pinvault-agent-injected)"},
+    ],
+    ids=["floating-tag", "unpinned", "wrong-run-id", "json-escapes", "shell"],
+)
+def test_through_the_agent_a_refusal_shows_the_vaults_reason(
+    cluster: SlurmCluster,
+    vault: VaultServer,
+    agent: AdmissionAgent,
+    pins: Pins,
+    change: dict[str, str],
+) -> None:
+    if change.get("PINVAULT_IMAGE") == "unpinned":
+        change = {"PINVAULT_IMAGE": pins.unpinned_image}
+    env = pins.env(**change)
+    with plugin_conf(cluster, agent_conf(agent.socket)):
+        submitted = cluster.sbatch(["--account=vision"], env, script=SHOW_PINS)
+    assert submitted.returncode != 0, submitted.describe()
+    vaults_word = admit(vault, env, "vision").error_line()
+    assert refusal(submitted.stderr) == vaults_word.removeprefix("vault: ")
+    assert "Batch job submission failed: Access/permission denied" in submitted.stderr
+    assert not Path("/tmp/pinvault-agent-injected").exists()
+
+
+def test_through_the_agent_a_pinned_job_runs_with_its_run_id_and_seed(
+    cluster: SlurmCluster, vault: VaultServer, agent: AdmissionAgent, pins: Pins
+) -> None:
+    env = pins.env(PINVAULT_SEED="0xA9E47")
+    with plugin_conf(cluster, agent_conf(agent.socket)):
+        submitted = cluster.sbatch(["--account=vision"], env, script=SHOW_PINS)
+    assert submitted.returncode == 0, submitted.describe()
+    assert submitted.stderr == ""
+    job_id = submitted.job_id
+    assert cluster.wait(job_id)["job_state"] == "COMPLETED", cluster.output(job_id)
+    seen = dict(line.split("=", 1) for line in cluster.output(job_id).splitlines())
+
+    # The vault's own answer to the same pins: the same run, recorded for team vision.
+    answer = admit(vault, env, "vision").ok().stdout.strip()
+    assert answer == f"run_id={seen['PINVAULT_RUN_ID']} seed={int('0xA9E47', 16)}"
+    assert seen["PINVAULT_SEED"] == str(int("0xA9E47", 16))
+    runs = vault.run("log", "--kind", "run", "--json").ok().json_lines()
+    entry = next(e for e in runs if e["subjects"][0] == seen["PINVAULT_RUN_ID"])
+    assert entry["meta"]["team"] == "vision"
+    shown = cluster.run("scontrol", "show", "job", str(job_id))
+    expected = f"AdminComment=pinvault run={seen['PINVAULT_RUN_ID']} seed={seen['PINVAULT_SEED']}"
+    assert expected in shown.stdout, shown.stdout
+    assert f"admitted run {seen['PINVAULT_RUN_ID']} for team vision" in agent.log()
+
+
+def test_without_lua_socket_the_vault_command_is_asked(
+    vault: VaultServer, agent: AdmissionAgent, pins: Pins, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = Path(vault.base) / "controller-without-lua-socket"
+    folder.mkdir()
+    files = plugin_files(folder / "client.toml", vault.address, folder / "state")
+    with_command = f"agent = {agent.socket}\n" + files["pinvault.conf"]
+    # slurmctld's Lua looks for C modules, lua-socket's among them, on LUA_CPATH: here nowhere.
+    monkeypatch.setenv("LUA_CPATH", "/nonexistent/?.so")
+    with SlurmCluster(job_submit=PLUGIN, files={"pinvault.conf": with_command}) as cluster:
+        env = pins.env(PINVAULT_SEED="0x5EED")
+        submitted = cluster.sbatch(["--account=vision"], env, script=SHOW_PINS)
+        shown = cluster.run("scontrol", "show", "job", str(submitted.job_id)).stdout
+        with plugin_conf(cluster, agent_conf(agent.socket)):
+            without_command = cluster.sbatch([], pins.env(), script=SHOW_PINS)
+        log = (cluster.log_dir / "slurmctld.log").read_text(errors="replace")
+    run_id, seed = admit(vault, env, "vision").ok().stdout.split()
+    assert f"AdminComment=pinvault {run_id.replace('_id=', '=')} {seed}" in shown, shown
+    assert run_id.removeprefix("run_id=") not in agent.log()
+    assert "lua-socket cannot be loaded, so admissions run the vault command" in log
+    assert refusal(without_command.stderr) == (
+        "admission is misconfigured on the controller: lua-socket cannot be loaded to ask the "
+        "agent, and pinvault.conf sets no client_config for the vault command"
+    )
+
+
+@contextmanager
+def fake_agent(path: Path, answer: bytes | None) -> Iterator[None]:
+    """Something on the agent's socket that reads the request and then sends `answer`, or,
+    with None, never answers."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(8)
+    listener.settimeout(0.1)
+    done = threading.Event()
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        while not done.is_set():
+            try:
+                connection, _ = listener.accept()
+            except TimeoutError:
+                continue
+            held.append(connection)
+            connection.recv(65536)
+            if answer is not None:
+                connection.sendall(answer)
+                connection.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(10)
+        for connection in held:
+            connection.close()
+        listener.close()
+
+
+def test_sbatch_refuses_when_the_agent_is_down(
+    cluster: SlurmCluster, vault: VaultServer, pins: Pins
+) -> None:
+    with short_dir("pinvault-slurm-agent-down-") as base:
+        own = AdmissionAgent(base, vault.address).start()
+        with plugin_conf(cluster, agent_conf(own.socket)):
+            assert cluster.sbatch([], pins.env(), script=SHOW_PINS).returncode == 0
+            assert own.stop() == 0
+            submitted = cluster.sbatch([], pins.env(), script=SHOW_PINS)
+    assert submitted.returncode != 0, submitted.describe()
+    assert refusal(submitted.stderr).startswith(
+        f"UNAVAILABLE: the admission agent at {own.socket} cannot be reached: "
+    )
+    assert "Batch job submission failed: Unspecified error" in submitted.stderr
+
+
+def test_sbatch_refuses_when_the_agent_does_not_answer_in_time(
+    cluster: SlurmCluster, pins: Pins
+) -> None:
+    with (
+        short_dir("pinvault-slurm-agent-mute-") as base,
+        fake_agent(base / "agent.sock", None),
+        plugin_conf(cluster, agent_conf(base / "agent.sock", timeout=2)),
+    ):
+        began = time.monotonic()
+        submitted = cluster.sbatch([], pins.env(), script=SHOW_PINS)
+        took = time.monotonic() - began
+    assert submitted.returncode != 0, submitted.describe()
+    assert refusal(submitted.stderr) == (
+        f"UNAVAILABLE: no answer from the admission agent at {base / 'agent.sock'} in 2 s"
+    )
+    assert 2 <= took < 8, took
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"hello\n",
+        b'{"admitted": true, "run_id": "sha256:abc", "seed": "1"}\n',
+        b'{"admitted": true, "run_id": "sha256:' + b"a" * 64 + b'", "seed": "1", }\n',
+        b'{"admitted": false}\n',
+        b'{"admitted": true, "run_id": "sha256:' + b"a" * 64 + b'", "seed": "1"}',
+    ],
+    ids=["not-json", "short-run-id", "trailing-comma", "no-reason", "no-newline"],
+)
+def test_sbatch_refuses_an_answer_it_does_not_understand(
+    cluster: SlurmCluster, pins: Pins, answer: bytes
+) -> None:
+    with (
+        short_dir("pinvault-slurm-agent-odd-") as base,
+        fake_agent(base / "agent.sock", answer),
+        plugin_conf(cluster, agent_conf(base / "agent.sock")),
+    ):
+        submitted = cluster.sbatch([], pins.env(), script=SHOW_PINS)
+    assert submitted.returncode != 0, submitted.describe()
+    reason = refusal(submitted.stderr)
+    where = f"the admission agent at {base / 'agent.sock'}"
+    assert reason in (
+        f"{where} gave an answer that was not understood: {answer.decode().strip()}",
+        # An answer without its newline is not a line: the connection closed first.
+        f"UNAVAILABLE: {where} closed the connection without an answer",
+    ), reason
 
 
 # -- the whole loop: vault run, the run library in the job, vault replay ----------------------

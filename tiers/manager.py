@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Final
 
 from vault.digest import Digest
-from vault.errors import IntegrityError, InvalidArgument, NotFound, VaultError
+from vault.errors import IntegrityError, InvalidArgument, NotFound, Unavailable, VaultError
 from vault.storage import (
     CHUNK_SIZE,
     BlobInfo,
@@ -424,7 +424,7 @@ class TierManager(Closing):
                 chosen = index, tier.read(sha256, offset, length)
                 break
             except NotFound as error:
-                if self.names[index] in placed:
+                if _missing(error) and self.names[index] in placed:
                     faults.append(_Fault(index, first, f"missing: {error}"))
             except IntegrityError as error:
                 faults.append(_Fault(index, first, str(error)))
@@ -495,11 +495,12 @@ class TierManager(Closing):
             except (IntegrityError, NotFound) as error:
                 excluded.add(index)
                 recoveries += 1
-                if isinstance(error, NotFound) and self.names[index] not in self.journal.placed(
-                    sha256
+                if isinstance(error, NotFound) and (
+                    not _missing(error) or self.names[index] not in self.journal.placed(sha256)
                 ):
-                    # The migration worker moved this copy away after the read found it: not
-                    # damage, so the read goes on from another copy and nothing is rewritten.
+                    # The migration worker moved this copy away after the read found it, or
+                    # its mirror went out of reach: not damage, so the read goes on from
+                    # another copy and nothing is rewritten.
                     if recoveries > 2 * len(self.tiers):
                         raise
                     index = self._next_holder(sha256, excluded)
@@ -618,7 +619,7 @@ class TierManager(Closing):
                 try:
                     tier.verify(sha256)
                 except NotFound as error:
-                    if self.names[index] not in placed:
+                    if not _missing(error) or self.names[index] not in placed:
                         continue
                     fault = _Fault(index, None, f"missing: {error}")
                 except IntegrityError as error:
@@ -644,7 +645,7 @@ class TierManager(Closing):
                 try:
                     info = tier.verify(sha256)
                 except NotFound as error:
-                    if self.names[index] in placed:
+                    if _missing(error) and self.names[index] in placed:
                         outcome.faults.append(_Fault(index, None, f"missing: {error}"))
                     continue
                 except IntegrityError as error:
@@ -728,6 +729,12 @@ class TierManager(Closing):
             self.stats.repaired += repaired
             self.stats.unrepairable += unrepairable
             self.stats.failed_rewrites += failed_rewrites
+
+
+def _missing(error: NotFound) -> bool:
+    """Whether a copy is gone, rather than out of reach (a mirror's NotFound that is also
+    Unavailable): only a copy that is gone is a fault to rewrite."""
+    return not isinstance(error, Unavailable)
 
 
 def _copy(sha256: Digest, source: BlobStore, target: BlobStore) -> BlobInfo:

@@ -19,7 +19,7 @@ from tiers.hot import HotTier
 from tiers.manager import Placement, TierManager
 from tiers.worker import Worker
 from vault.digest import Digest
-from vault.errors import IntegrityError, NotFound, VaultError
+from vault.errors import IntegrityError, NotFound, Unavailable, VaultError
 from vault.storage import BlobStore, ChunkList
 
 log = logging.getLogger("pinvault.tiers")
@@ -187,7 +187,11 @@ class Scrubber:
                 self.manager.journal.place(digest, name, size=size, verified=self.clock())
             stats.bytes += size
             return
-        except NotFound:
+        except NotFound as error:
+            if isinstance(error, Unavailable):
+                # A mirror out of reach: its copy is not checked this time, nor missing.
+                log.warning("scrub: could not check the %s copy of %s: %s", name, digest, error)
+                return
             if name not in self.manager.journal.placed(digest):
                 return  # moved away by the migration worker since the batch was read
             log.warning("scrub: the %s copy of %s is missing", name, digest)
