@@ -440,8 +440,10 @@ class VaultClient:
                 f"put_many: {len(expected)} expected digests for {len(sources)} sources"
             )
         wanted = [str(Digest.parse(e)) if e else "" for e in expected or [None] * len(sources)]
-        # The BLAKE3 and size of each blob as sent.
-        sent: list[tuple[bytes, int]] = []
+        # The BLAKE3 and size of each blob as sent. A blob sent with its expected digest needs
+        # no hash of its own: the vault refuses it unless its bytes hash to that digest, and the
+        # answer is checked to name it.
+        sent: list[tuple[bytes | None, int]] = []
         failed: list[BaseException] = []
 
         def requests() -> Iterator[pb.PutBatchRequest]:
@@ -450,7 +452,8 @@ class VaultClient:
                 size = 0
                 for source, digest in zip(sources, wanted, strict=True):
                     data = _read_small(source)
-                    sent.append((blake3.blake3(data).digest(), len(data)))
+                    local = None if digest else blake3.blake3(data).digest()
+                    sent.append((local, len(data)))
                     if blobs and size + len(data) > BATCH_MESSAGE:
                         yield pb.PutBatchRequest(blobs=blobs)
                         blobs, size = [], 0
@@ -485,13 +488,14 @@ class VaultClient:
             local, size = sent[number]
             digest = Digest.parse(wanted[number]) if wanted[number] else None
             if (
-                blob.blake3.raw != local
+                (local is not None and blob.blake3.raw != local)
                 or blob.size != size
                 or (digest is not None and digest not in (blob.sha256, blob.blake3))
             ):
+                sent_as = f"blake3:{local.hex()}" if local is not None else str(digest)
                 raise IntegrityError(
                     f"the vault stored {blob.sha256} ({blob.size} bytes) for {label} but the "
-                    f"client sent blake3:{local.hex()} ({size} bytes)"
+                    f"client sent {sent_as} ({size} bytes)"
                 )
             results.append(PutResult(blob, answer.created))
         if refused:
