@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tiers.policy import size_text
 from vault.config import Config
 from vault.errors import IntegrityError, InvalidArgument, Unavailable
 from vault.storage import BlobStore, Closing
@@ -138,15 +139,6 @@ def _print_json(value: Any) -> None:
     print(json.dumps(value, ensure_ascii=False))
 
 
-def _size(count: int) -> str:
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
 def _status(args: argparse.Namespace, config: Config) -> int:
     from mirror.queue import ReplicationQueue
     from mirror.status import mirror_status
@@ -164,7 +156,7 @@ def _status(args: argparse.Namespace, config: Config) -> int:
     for s in found:
         print(
             f"{s.name:<12} {'yes' if s.reachable else 'NO':<9} {s.objects:>8} "
-            f"{_size(s.bytes):>10} {s.queued:>7} {s.lag_seconds:.0f}s"
+            f"{size_text(s.bytes):>10} {s.queued:>7} {s.lag_seconds:.0f}s"
         )
         if not s.reachable:
             print(f"  unreachable: {' '.join(s.error.split())}")
@@ -211,7 +203,7 @@ def _sync(args: argparse.Namespace, config: Config) -> int:
         print(f"queued {queued} copies")
         for name, r in reports.items():
             print(
-                f"{name}: copied {r.copied} ({_size(r.copied_bytes)}), failed {r.failed}, "
+                f"{name}: copied {r.copied} ({size_text(r.copied_bytes)}), failed {r.failed}, "
                 f"{left.get(name, 0)} left"
             )
     behind = {name: count for name, count in left.items() if count}

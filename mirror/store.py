@@ -3,7 +3,7 @@ before the put returns, and the replication worker runs beside it; reads go to t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from mirror.mirrors import Mirror, MirrorSet
 from mirror.queue import ReplicationQueue
@@ -17,6 +17,7 @@ from vault.storage import (
     Chunk,
     ChunkList,
     Closing,
+    CommitHook,
     Placed,
     PlacementRecord,
 )
@@ -47,7 +48,7 @@ class ReplicatingStore(Closing, BlobStore):
         self.mirrors.close()
 
     def writer(self) -> BlobWriter:
-        return _QueueingWriter(self.inner.writer(), self._queue_copies)
+        return CommitHook(self.inner.writer(), self._queue_copies)
 
     def _queue_copies(self, info: BlobInfo) -> None:
         names = [mirror.name for mirror in self.mirrors.assigned(info.sha256)]
@@ -80,25 +81,6 @@ class ReplicatingStore(Closing, BlobStore):
 
     def digests(self) -> Iterator[Digest]:
         return self.inner.digests()
-
-
-class _QueueingWriter(BlobWriter):
-    def __init__(self, inner: BlobWriter, queue_copies: Callable[[BlobInfo], None]) -> None:
-        self._inner = inner
-        self._queue_copies = queue_copies
-
-    def write(self, data: bytes | memoryview) -> None:
-        self._inner.write(data)
-
-    def commit(self, expected: Digest | None = None) -> tuple[BlobInfo, bool]:
-        info, created = self._inner.commit(expected)
-        # Also for a blob already stored: its copies may never have been queued (a crash
-        # between its commit and its queueing), and enqueue skips those already made.
-        self._queue_copies(info)
-        return info, created
-
-    def abort(self) -> None:
-        self._inner.abort()
 
 
 class MirrorUnreachable(NotFound, Unavailable):

@@ -24,6 +24,7 @@ from vault.storage import (
     Chunk,
     ChunkList,
     Closing,
+    CommitHook,
     require_sha256,
 )
 
@@ -347,7 +348,7 @@ class TierManager(Closing):
     # -- the BlobStore protocol --------------------------------------------------------------
 
     def writer(self) -> BlobWriter:
-        return _PlacingWriter(
+        return CommitHook(
             self.tiers[0].writer(),
             # The commit hashed every byte as it was written: the copy is verified as of now.
             lambda info: self.journal.place(
@@ -754,22 +755,3 @@ def _data_loss(sha256: Digest, names: list[str], faults: list[_Fault]) -> Integr
         for fault in faults
     )
     return IntegrityError(f"no tier holds a good copy of {sha256}: {found}")
-
-
-class _PlacingWriter(BlobWriter):
-    """The first tier's writer, which also records the placement once the blob is committed."""
-
-    def __init__(self, inner: BlobWriter, place: Callable[[BlobInfo], None]) -> None:
-        self._inner = inner
-        self._place = place
-
-    def write(self, data: bytes | memoryview) -> None:
-        self._inner.write(data)
-
-    def commit(self, expected: Digest | None = None) -> tuple[BlobInfo, bool]:
-        info, created = self._inner.commit(expected)
-        self._place(info)
-        return info, created
-
-    def abort(self) -> None:
-        self._inner.abort()

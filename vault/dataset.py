@@ -89,25 +89,22 @@ def _path_key(path: str) -> bytes:
 # ---------------------------------------------------------------------- pure functions
 
 
-def check_path(path: str) -> str:
-    """A manifest path: relative, POSIX, no empty, `.` or `..` component, valid UTF-8."""
+def check_path(path: str, what: str = "dataset manifest") -> str:
+    """A path in a manifest: relative, POSIX, no empty, `.` or `..` component, no NUL, UTF-8."""
     if not path:
-        raise InvalidArgument("dataset manifest: empty path")
+        raise InvalidArgument(f"{what}: empty path")
     if path.startswith("/"):
-        raise InvalidArgument(f"dataset manifest: path {path!r} is absolute")
+        raise InvalidArgument(f"{what}: path {path!r} is absolute")
     parts = path.split("/")
-    if ".." in parts:
-        raise InvalidArgument(f"dataset manifest: path {path!r} has a '..' component")
-    if "" in parts:
-        raise InvalidArgument(f"dataset manifest: path {path!r} has an empty component")
-    if "." in parts:
-        raise InvalidArgument(f"dataset manifest: path {path!r} has a '.' component")
+    for bad, why in (("..", "a '..'"), ("", "an empty"), (".", "a '.'")):
+        if bad in parts:
+            raise InvalidArgument(f"{what}: path {path!r} has {why} component")
     if "\x00" in path:
-        raise InvalidArgument(f"dataset manifest: path {path!r} has a NUL character")
+        raise InvalidArgument(f"{what}: path {path!r} has a NUL character")
     try:
         path.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidArgument(f"dataset manifest: path {path!r} is not valid UTF-8") from None
+        raise InvalidArgument(f"{what}: path {path!r} is not valid UTF-8") from None
     return path
 
 

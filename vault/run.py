@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Final, Self
 from vault import config
 from vault.client import ProvenEntry, VaultClient, read_all
 from vault.config import open_client
+from vault.dataset import check_path
 from vault.digest import Digest
 from vault.entry import Entry, canonical_json, load_json_object
 from vault.errors import (
@@ -310,25 +311,6 @@ def _cut(value: str) -> str:
     return data[: MAX_VARIABLE_BYTES - 3].decode("utf-8", errors="ignore") + "..."
 
 
-def check_path(what: str, path: str) -> str:
-    """A path in a manifest: relative, POSIX, no empty, `.` or `..` component, no NUL."""
-    if not path:
-        raise InvalidArgument(f"{what}: empty path")
-    if path.startswith("/"):
-        raise InvalidArgument(f"{what}: path {path!r} is absolute")
-    parts = path.split("/")
-    for bad, why in (("..", "a '..'"), ("", "an empty"), (".", "a '.'")):
-        if bad in parts:
-            raise InvalidArgument(f"{what}: path {path!r} has {why} component")
-    if "\x00" in path:
-        raise InvalidArgument(f"{what}: path {path!r} has a NUL character")
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidArgument(f"{what}: path {path!r} is not valid UTF-8") from None
-    return path
-
-
 def _check_sha256(what: str, name: str, value: str) -> None:
     if not _SHA256.fullmatch(value):
         raise InvalidArgument(
@@ -348,7 +330,7 @@ def _check_files(what: str, files: Sequence[FileRecord]) -> tuple[FileRecord, ..
         if before.path == after.path:
             raise InvalidArgument(f"{what}: path {after.path!r} is listed twice")
     for f in ordered:
-        check_path(what, f.path)
+        check_path(f.path, what)
         _check_sha256(what, repr(f.path), f.sha256)
         if (
             not isinstance(f.size, int)
@@ -700,7 +682,7 @@ class Run:
         relative = Path(relative).as_posix()
         if relative == REPLICATE_SCRIPT:
             raise InvalidArgument(f"output {relative} is the name finish() writes the replay to")
-        return check_path("output", relative), target
+        return check_path(relative, "output"), target
 
     def _store(self, source: Path | bytes, sha256: str, size: int) -> None:
         # `expected` makes the vault refuse bytes that changed after they were hashed.
@@ -726,7 +708,7 @@ class Run:
         that dies on the way leaves the previous one the latest."""
         hashed: list[tuple[FileRecord, Path | bytes]] = []
         for name, source in files.items():
-            check_path("checkpoint", name)
+            check_path(name, "checkpoint")
             if isinstance(source, bytes | bytearray | memoryview):
                 data = bytes(source)
                 digest = "sha256:" + hashlib.sha256(data).hexdigest()

@@ -8,7 +8,7 @@ import queue
 import re
 import struct
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -402,6 +402,29 @@ BatchBlob = tuple[bytes | memoryview, Digest | None]
 # What became of one blob of a batch: its info and whether it was newly stored, or the
 # IntegrityError that refused it (its bytes do not match its expected digest).
 BatchResult = tuple[BlobInfo, bool] | IntegrityError
+
+
+class CommitHook(BlobWriter):
+    """Another store's writer that calls `then(info)` after each commit: how a store that
+    wraps others records what it must know of each new blob (a placement, mirror copies to
+    make), without a copy of the writer's plumbing each."""
+
+    def __init__(self, inner: BlobWriter, then: Callable[[BlobInfo], None]) -> None:
+        self._inner = inner
+        self._then = then
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._inner.write(data)
+
+    def commit(self, expected: Digest | None = None) -> tuple[BlobInfo, bool]:
+        info, created = self._inner.commit(expected)
+        # Also for a blob already stored: what `then` records may not have been recorded (a
+        # crash between the commit and it), and recording is idempotent.
+        self._then(info)
+        return info, created
+
+    def abort(self) -> None:
+        self._inner.abort()
 
 
 class BatchPut:
