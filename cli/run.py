@@ -20,7 +20,18 @@ from vault.config import Config
 from vault.digest import Digest
 from vault.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from vault.run import load_run_manifest
-from vault.runid import parse_seed
+from vault.runid import (
+    ENV_CONFIG,
+    ENV_DATASET,
+    ENV_IMAGE,
+    ENV_REPLAY_LEASE,
+    ENV_REPLAY_OF,
+    ENV_RUN_ID,
+    ENV_SCRIPT,
+    ENV_SEED,
+    ENV_TEAM,
+    parse_seed,
+)
 
 Connect = Callable[[Config], VaultClient]
 
@@ -165,23 +176,27 @@ def submit(
     return done.stdout.strip().split(";")[0], done.stderr.strip()
 
 
-def job_environment(config: Config, admission: Admission, **extra: str) -> dict[str, str]:
+def job_environment(
+    config: Config, admission: Admission, extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """The submitting environment plus the job's pins and run, as the Slurm plugin and the run
     library read them (docs/run-manifest.md)."""
     inputs = admission.inputs
     env = dict(os.environ)
     env.update(
-        PINVAULT_IMAGE=inputs.image,
-        PINVAULT_DATASET=inputs.dataset,
-        PINVAULT_SEED=str(inputs.seed),
-        PINVAULT_RUN_ID=admission.run_id,
-        # The team the vault admitted the job for: with credentials, the credential's.
-        PINVAULT_TEAM=admission.team,
-        PINVAULT_CLIENT_SERVER=config.client.server,
+        {
+            ENV_IMAGE: inputs.image,
+            ENV_DATASET: inputs.dataset,
+            ENV_SEED: str(inputs.seed),
+            ENV_RUN_ID: admission.run_id,
+            # The team the vault admitted the job for: with credentials, the credential's.
+            ENV_TEAM: admission.team,
+            "PINVAULT_CLIENT_SERVER": config.client.server,
+        }
     )
     if inputs.config:
-        env["PINVAULT_CONFIG_DIGEST"] = inputs.config
-    env.update({name: value for name, value in extra.items() if value})
+        env[ENV_CONFIG] = inputs.config
+    env.update({name: value for name, value in (extra or {}).items() if value})
     return env
 
 
@@ -224,8 +239,8 @@ def _run(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
         script_digest = str(client.put(script).blob.sha256) if script else ""
     created = "created" if admission.new else "found (same experiment)"
     _step("✓", f"pin vault entry {created}", f"entry {admission.entry.entry.index}")
-    extra = {"PINVAULT_SCRIPT": script_digest} if script_digest else {}
-    job, _ = submit(sbatch_args, job_environment(config, admission, **extra))
+    extra = {ENV_SCRIPT: script_digest} if script_digest else {}
+    job, _ = submit(sbatch_args, job_environment(config, admission, extra))
     _launched(job, admission)
     return 0
 
@@ -243,7 +258,7 @@ def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
     with connect(config) as client, tempfile.TemporaryDirectory(prefix="pinvault-replay-") as tmp:
         manifest = load_run_manifest(client, manifest_digest)
         if batch_script(sbatch_args) is None:
-            recorded = manifest.environment.variables.get("PINVAULT_SCRIPT", "")
+            recorded = manifest.environment.variables.get(ENV_SCRIPT, "")
             if not recorded:
                 raise InvalidArgument(
                     "the run manifest records no batch script: give sbatch's arguments, "
@@ -270,9 +285,11 @@ def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
         env = job_environment(
             config,
             admission,
-            PINVAULT_REPLAY_OF=manifest_digest,
-            PINVAULT_REPLAY_LEASE=admission.lease,
-            PINVAULT_SCRIPT=manifest.environment.variables.get("PINVAULT_SCRIPT", ""),
+            {
+                ENV_REPLAY_OF: manifest_digest,
+                ENV_REPLAY_LEASE: admission.lease,
+                ENV_SCRIPT: manifest.environment.variables.get(ENV_SCRIPT, ""),
+            },
         )
         try:
             job, _ = submit(sbatch_args, env)

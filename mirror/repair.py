@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 from mirror.mirrors import Mirror, MirrorSet
 from mirror.queue import ReplicationQueue
-from mirror.replicate import copy_blob, copy_to_mirror
+from mirror.replicate import copy_to_mirror
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound, Unavailable, VaultError
-from vault.storage import BlobStore
+from vault.storage import BlobStore, copy_blob
 
 LOCAL = "local"
 

@@ -15,7 +15,7 @@ from mirror.mirrors import Mirror, MirrorSet
 from mirror.queue import Pending, ReplicationQueue
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound, Unavailable, VaultError
-from vault.storage import BlobInfo, BlobStore
+from vault.storage import BlobStore, copy_blob
 
 log = logging.getLogger("pinvault.mirror")
 
@@ -48,14 +48,6 @@ def copy_to_mirror(source: BlobStore, mirror: Mirror, digest: Digest) -> int:
         # Another process wrote it between the look-up and the commit: check its copy.
         return tier.verify(digest).size
     return info.size
-
-
-def copy_blob(source: BlobStore, target: BlobStore, digest: Digest) -> tuple[BlobInfo, bool]:
-    """Stream a blob between stores: each chunk checked as read, the whole on commit."""
-    with target.writer() as writer:
-        for chunk in source.read(digest):
-            writer.write(chunk.data)
-        return writer.commit(digest)
 
 
 @dataclass(slots=True)

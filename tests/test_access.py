@@ -192,8 +192,11 @@ def test_local_mode_serves_only_loopback(tmp_path: Path) -> None:
 
 def test_local_mode_asks_for_nothing(vault_server: VaultServer) -> None:
     assert "access: local mode" in "\n".join(vault_server.banner)
-    with VaultClient(vault_server.address, timeout=60) as client:
-        assert client.put(b"local").created in (True, False)
+    with VaultClient(vault_server.address, author="ada@laptop", timeout=60) as client:
+        digest = str(client.put(b"local").blob.sha256)
+        # With no credential the one local user writes, and its own name is recorded.
+        assert client.pin("artefact", digest).entry.author == "ada@laptop"
+        assert client.stat(digest).blob.size == 5
 
 
 # -- mutual TLS -----------------------------------------------------------------------------

@@ -20,9 +20,9 @@ from typing import Final
 
 import blake3
 
-from tiers.files import fsync_dir, write_all
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound
+from vault.files import fsync_dir, write_all
 from vault.storage import (
     CHUNK_SIZE,
     BatchBlob,

@@ -25,6 +25,7 @@ from vault.storage import (
     ChunkList,
     Closing,
     CommitHook,
+    copy_blob,
     require_sha256,
 )
 
@@ -559,7 +560,7 @@ class TierManager(Closing):
         error: Exception | None = None
         for index in range(1, len(self.tiers)):
             try:
-                info = _copy(sha256, self.tiers[index], first)
+                info, _ = copy_blob(self.tiers[index], first, sha256)
             except (NotFound, IntegrityError) as failed:
                 error = error or failed
                 continue
@@ -682,7 +683,7 @@ class TierManager(Closing):
             try:
                 with contextlib.suppress(NotFound):
                     target.delete(sha256)
-                info = _copy(sha256, self.tiers[source], target)
+                info, _ = copy_blob(self.tiers[source], target, sha256)
             except (VaultError, OSError) as error:
                 self.journal.record(
                     sha256, name, fault.offset, fault.found, f"rewrite failed: {error}"
@@ -736,15 +737,6 @@ def _missing(error: NotFound) -> bool:
     """Whether a copy is gone, rather than out of reach (a mirror's NotFound that is also
     Unavailable): only a copy that is gone is a fault to rewrite."""
     return not isinstance(error, Unavailable)
-
-
-def _copy(sha256: Digest, source: BlobStore, target: BlobStore) -> BlobInfo:
-    """Stream a blob from one tier into another; the commit re-checks the whole digest."""
-    with target.writer() as writer:
-        for chunk in source.read(sha256):
-            writer.write(chunk.data)
-        info, _ = writer.commit(sha256)
-    return info
 
 
 def _data_loss(sha256: Digest, names: list[str], faults: list[_Fault]) -> IntegrityError:

@@ -17,7 +17,7 @@ from tiers.policy import COLD, HOT, WARM, BlobFacts, Decision, plan
 from tiers.worker import Worker
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound, VaultError
-from vault.storage import BlobStore
+from vault.storage import BlobStore, copy_blob
 
 if TYPE_CHECKING:
     from vault.config import PolicyConfig
@@ -180,10 +180,7 @@ class Migrator:
         target = self._tier(name)
         if target.find_missing([digest]):
             source = self._holder(digest, exclude=name)
-            with target.writer() as writer:
-                for chunk in source.read(digest):
-                    writer.write(chunk.data)
-                info, _ = writer.commit(digest)
+            info, _ = copy_blob(source, target, digest)
             self._copied(report, info.size, digest)
         info = target.verify(digest)
         self.manager.journal.place(digest, name, size=info.size, verified=self.clock())

@@ -25,9 +25,9 @@ from typing import Final, TypeVar
 import blake3
 import zstandard
 
-from tiers.files import fsync_dir, pwrite_all, write_all
 from vault.digest import Digest
 from vault.errors import FailedPrecondition, IntegrityError, NotFound, Unavailable
+from vault.files import fsync_dir, pwrite_all, write_all
 from vault.storage import (
     CHUNK_SIZE,
     BlobHasher,

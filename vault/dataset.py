@@ -18,8 +18,9 @@ from typing import Any, Final
 
 from vault.client import ProvenEntry, VaultClient
 from vault.digest import Digest
-from vault.entry import canonical_json, load_json_object
+from vault.entry import canonical_json, expect_fields, load_json_object
 from vault.errors import IntegrityError, InvalidArgument
+from vault.files import fsync_dir
 
 MANIFEST_VERSION: Final = 1
 # Bounds every read of a manifest from the network; about two million files.
@@ -175,12 +176,7 @@ def decode_manifest(data: bytes) -> Manifest:
 def _decode_file(number: int, item: object) -> FileEntry:
     if not isinstance(item, dict):
         raise InvalidArgument(f"dataset manifest: file {number} is not an object")
-    unknown = sorted(set(item) - _FILE_FIELDS)
-    if unknown:
-        raise InvalidArgument(f"dataset manifest: file {number} has unknown field {unknown[0]!r}")
-    missing = sorted(_FILE_FIELDS - set(item))
-    if missing:
-        raise InvalidArgument(f"dataset manifest: file {number} lacks field {missing[0]!r}")
+    expect_fields(f"dataset manifest: file {number}", item, _FILE_FIELDS)
     path, size, mode, digest = item["path"], item["size"], item["mode"], item["sha256"]
     if not isinstance(path, str):
         raise InvalidArgument(f"dataset manifest: file {number} has a path that is not a string")
@@ -445,17 +441,17 @@ def checkout_dataset(client: VaultClient, digest: str, target: Path) -> Manifest
         for f in manifest.files:
             os.chmod(staging / f.path, f.mode)
         for folder in sorted({(staging / f.path).parent for f in manifest.files} | {staging}):
-            _fsync_folder(folder)
+            fsync_dir(folder)
         if existing:
             if any(p != staging for p in target.iterdir()):
                 raise InvalidArgument(f"cannot check out into {target}: it was written to")
             for child in staging.iterdir():
                 os.rename(child, target / child.name)
-            _fsync_folder(target)
+            fsync_dir(target)
         else:
             # rename(2) fails if something was created at `target` meanwhile.
             os.rename(staging, target)
-            _fsync_folder(target.parent)
+            fsync_dir(target.parent)
     return manifest
 
 
@@ -486,14 +482,6 @@ def _materialise(client: VaultClient, f: FileEntry, staging: Path) -> None:
             out.write(piece)
         out.flush()
         os.fsync(out.fileno())
-
-
-def _fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def diff_datasets(client: VaultClient, old: str, new: str) -> Diff:

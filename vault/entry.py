@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -143,6 +143,16 @@ def load_json_object(what: str, data: bytes, limit: int) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise InvalidArgument(f"{what} is not a JSON object")
     return obj
+
+
+def expect_fields(what: str, obj: Mapping[str, Any], fields: Set[str]) -> None:
+    """Refuse an object of a canonical document whose fields are not exactly `fields`."""
+    unknown = sorted(set(obj) - fields)
+    if unknown:
+        raise InvalidArgument(f"{what}: unknown field {unknown[0]!r}")
+    missing = sorted(fields - set(obj))
+    if missing:
+        raise InvalidArgument(f"{what}: field {missing[0]!r} is missing")
 
 
 def now() -> str:

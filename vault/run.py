@@ -27,7 +27,7 @@ from vault.client import ProvenEntry, VaultClient, read_all
 from vault.config import open_client
 from vault.dataset import check_path
 from vault.digest import Digest
-from vault.entry import Entry, canonical_json, load_json_object
+from vault.entry import Entry, canonical_json, expect_fields, load_json_object
 from vault.errors import (
     FailedPrecondition,
     IntegrityError,
@@ -35,7 +35,20 @@ from vault.errors import (
     NotFound,
     VerificationError,
 )
-from vault.runid import MAX_INPUTS_BYTES, RunInputs
+from vault.files import fsync_dir
+from vault.runid import (
+    ENV_CONFIG,
+    ENV_DATASET,
+    ENV_IMAGE,
+    ENV_REPLAY_LEASE,
+    ENV_REPLAY_OF,
+    ENV_RUN_ID,
+    ENV_SCRIPT,
+    ENV_SEED,
+    ENV_TEAM,
+    MAX_INPUTS_BYTES,
+    RunInputs,
+)
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
@@ -55,20 +68,11 @@ PUTS_IN_FLIGHT: Final = 4
 REPLICATE_SCRIPT: Final = "replicate.sh"
 
 # What the scheduler gives a job (see `start`).
-ENV_RUN_ID: Final = "PINVAULT_RUN_ID"
-ENV_SEED: Final = "PINVAULT_SEED"
-ENV_IMAGE: Final = "PINVAULT_IMAGE"
-ENV_DATASET: Final = "PINVAULT_DATASET"
-ENV_CONFIG: Final = "PINVAULT_CONFIG_DIGEST"
-ENV_REPLAY_LEASE: Final = "PINVAULT_REPLAY_LEASE"
-ENV_TEAM: Final = "PINVAULT_TEAM"
-ENV_REPLAY_OF: Final = "PINVAULT_REPLAY_OF"
 
 # The only variables a run manifest records: named one by one, so that no token, password or
 # credential in a job's environment can reach the ledger through a pattern.
 RECORDED_VARIABLES: Final = (
-    # The batch script's digest, as `vault run` stored it: what `vault replay` submits again.
-    "PINVAULT_SCRIPT",
+    ENV_SCRIPT,
     "SLURM_JOB_ID",
     "SLURM_ARRAY_JOB_ID",
     "SLURM_ARRAY_TASK_ID",
@@ -151,7 +155,7 @@ class CheckpointManifest:
         """Parse and validate; anything malformed or not canonical is refused."""
         what = "checkpoint manifest"
         obj = load_json_object(what, data, MAX_CHECKPOINT_MANIFEST_BYTES)
-        _expect_fields(what, obj, {"type", "v", "run", "step", "files"})
+        expect_fields(what, obj, {"type", "v", "run", "step", "files"})
         _expect_header(what, obj, CHECKPOINT_TYPE)
         manifest = cls.checked(
             run=_string(what, "run", obj["run"]),
@@ -282,7 +286,7 @@ class RunManifest:
         what = "run manifest"
         obj = load_json_object(what, data, MAX_RUN_MANIFEST_BYTES)
         fields = {"type", "v", "run", "inputs", "team", "environment", "outputs", "checkpoints"}
-        _expect_fields(what, obj, fields)
+        expect_fields(what, obj, fields)
         _expect_header(what, obj, RUN_MANIFEST_TYPE)
         run = _string(what, "run", obj["run"])
         if not isinstance(obj["inputs"], dict):
@@ -344,15 +348,6 @@ def _check_files(what: str, files: Sequence[FileRecord]) -> tuple[FileRecord, ..
 # -- strict decoding
 
 
-def _expect_fields(what: str, obj: Mapping[str, Any], fields: set[str]) -> None:
-    unknown = sorted(set(obj) - fields)
-    if unknown:
-        raise InvalidArgument(f"{what}: unknown field {unknown[0]!r}")
-    missing = sorted(fields - set(obj))
-    if missing:
-        raise InvalidArgument(f"{what}: field {missing[0]!r} is missing")
-
-
 def _expect_header(what: str, obj: Mapping[str, Any], kind: str) -> None:
     if obj["type"] != kind:
         raise InvalidArgument(f"{what}: type is {str(obj['type'])[:80]!r}, expected {kind!r}")
@@ -385,7 +380,7 @@ def _items(what: str, name: str, value: object, fields: set[str]) -> list[dict[s
     for n, item in enumerate(value):
         if not isinstance(item, dict):
             raise InvalidArgument(f"{what}: {name} item {n} is not an object")
-        _expect_fields(f"{what}: {name} item {n}", item, fields)
+        expect_fields(f"{what}: {name} item {n}", item, fields)
     return value
 
 
@@ -413,7 +408,7 @@ def _decode_checkpoints(what: str, value: object) -> list[CheckpointRef]:
 def _decode_environment(what: str, value: object) -> Environment:
     if not isinstance(value, dict):
         raise InvalidArgument(f"{what}: 'environment' is not an object")
-    _expect_fields(f"{what}: environment", value, {"host", "python", "platform", "variables"})
+    expect_fields(f"{what}: environment", value, {"host", "python", "platform", "variables"})
     variables = value["variables"]
     if not isinstance(variables, dict):
         raise InvalidArgument(f"{what}: environment variables is not an object")
@@ -901,7 +896,7 @@ class OutputFile(io.RawIOBase):
             sha256 = "sha256:" + self._hash.hexdigest()
             self._run._store(self._partial, sha256, self._size)
             os.replace(self._partial, self.target)
-            _fsync_folder(self.target.parent)
+            fsync_dir(self.target.parent)
             self.artefact = self._run._pin_artefact(self.path, sha256, self._size)
         except BaseException:
             self.abort()
@@ -1017,12 +1012,4 @@ def _write_durably(path: Path, data: bytes, mode: int) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(partial)
-    _fsync_folder(path.parent)
-
-
-def _fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)

@@ -577,6 +577,15 @@ def read_range(
     return trimmed()
 
 
+def copy_blob(source: BlobStore, target: BlobStore, sha256: Digest) -> tuple[BlobInfo, bool]:
+    """Stream a blob from one store into another: each chunk checked as it is read, the whole
+    against the digest on commit; whether the target had to make it."""
+    with target.writer() as writer:
+        for chunk in source.read(sha256):
+            writer.write(chunk.data)
+        return writer.commit(sha256)
+
+
 def get_bytes(store: BlobStore, sha256: Digest) -> bytes:
     """A whole blob in memory, verified: for tests and small blobs only."""
     return b"".join(read_range(store, sha256))

@@ -5,7 +5,6 @@ exactly as the Slurm plugin asks it: one JSON line each way per connection."""
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import subprocess
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from tests.services.base import terminate
 from tests.services.vault_server import REPO_ROOT, VAULT_COMMAND, command_env
 
 BANNER = "pinvault admission agent on unix:"
@@ -76,15 +76,7 @@ class AdmissionAgent:
     def stop(self) -> int:
         """SIGTERM, as systemd stops it; returns the exit status."""
         process, self.process = self.process, None
-        if process is None:
-            return 0
-        process.send_signal(signal.SIGTERM)
-        try:
-            return process.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            raise RuntimeError(f"the admission agent ignored SIGTERM for {STOP_TIMEOUT}s") from None
+        return terminate(process, "the admission agent", STOP_TIMEOUT)
 
     def __enter__(self) -> Self:
         return self.start()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from abc import ABC, abstractmethod
 from pathlib import Path
 from types import TracebackType
@@ -36,3 +38,17 @@ class PrivateServer(ABC):
         if self._base is None:
             raise RuntimeError(f"{self.name} server is not running: call start() first")
         return self._base
+
+
+def terminate(process: subprocess.Popen[bytes] | None, what: str, timeout: float) -> int:
+    """SIGTERM, as a service manager stops a service; its exit status. A process that ignores
+    it is killed and the test fails, since a service must stop when asked."""
+    if process is None:
+        return 0
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise RuntimeError(f"{what} ignored SIGTERM for {timeout}s") from None

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any, Self
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.services.base import terminate
 from vault.checkpoint import SigningKey
 from vault.client import VaultClient
 
@@ -230,15 +230,7 @@ class VaultServer:
     def stop(self) -> int:
         """SIGTERM, as a service manager would; returns the exit status."""
         process, self.process = self.process, None
-        if process is None:
-            return 0
-        process.send_signal(signal.SIGTERM)
-        try:
-            return process.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            raise RuntimeError(f"vault serve ignored SIGTERM for {STOP_TIMEOUT}s") from None
+        return terminate(process, "vault serve", STOP_TIMEOUT)
 
     def restart(self) -> Self:
         """Stop and start again at the same address, as a restarted service is found by its

@@ -1,5 +1,6 @@
-"""Durable-file helpers the local tiers share: complete writes and folder syncs (a rename or a
-new file is durable only once its folder is synced)."""
+"""Durable-file helpers shared by the local tiers, dataset checkout and the run library:
+complete writes and folder syncs (a rename or a new file is durable only once its folder is
+synced)."""
 
 from __future__ import annotations
 
