@@ -23,6 +23,7 @@ from vault.config import Config
 from vault.content import Content
 from vault.db import Database, open_database
 from vault.errors import InvalidArgument, Unavailable
+from vault.handoff import Desk
 from vault.ledger import Ledger
 from vault.service import build_server
 from vault.storage import BlobStore, Closing
@@ -114,6 +115,17 @@ def check_access(config: Config, listen: str) -> None:
         )
 
 
+def open_desk(config: Config) -> Desk | None:
+    """The handoff socket for clients on this host, unless turned off or impossible here."""
+    if not config.server.handoff:
+        return None
+    try:
+        return Desk(config.handoff_path)
+    except OSError as exc:
+        log.warning("no handoff socket, clients will stream: %s", exc)
+        return None
+
+
 def serve(config: Config, listen: str | None = None) -> int:
     listen = listen or config.server.listen
     check_access(config, listen)
@@ -142,9 +154,12 @@ def serve(config: Config, listen: str | None = None) -> int:
         ),
     )
     tokens = TokenStore(db) if config.auth.mode != "local" else None
+    desk = open_desk(config)
     try:
-        asyncio.run(_serve(config, ledger, content, admitter, listen, tokens, tls))
+        asyncio.run(_serve(config, ledger, content, admitter, listen, tokens, tls, desk))
     finally:
+        if desk is not None:
+            desk.close()
         if tokens is not None:
             tokens.close()
         admitter.close()
@@ -166,6 +181,7 @@ async def _serve(
     listen: str,
     tokens: TokenStore | None,
     tls: grpc.ServerCredentials | None,
+    desk: Desk | None,
 ) -> None:
     loop = asyncio.get_running_loop()
     # Blocking work (disk, hashing, PostgreSQL) runs on these threads, off the event loop.
@@ -180,6 +196,7 @@ async def _serve(
         gate=Gate(config.auth.mode, tokens) if tokens else None,
         tokens=tokens,
         tls=tls,
+        desk=desk,
     )
     await server.start()
     engine = ledger.db.read.dialect.name
@@ -191,6 +208,8 @@ async def _serve(
     )
     access = "credentials" if tokens else "local mode (one user, no credential)"
     print(f"  access: {access}{', TLS' if tls else ''}", flush=True)
+    if desk is not None:
+        print(f"  handoff socket {desk.path}", flush=True)
     if ledger.fault is not None:
         print(
             f"  WARNING: the stored ledger fails its check ({ledger.fault}); appends and proofs "

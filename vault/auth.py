@@ -33,6 +33,7 @@ PERMISSIONS: Final[Mapping[str, str]] = {
     "Store.FindMissing": "read",
     "Store.VerifyBlobs": "audit",
     "Store.PutBatch": "write",
+    "Store.Handoff": "read",
     "Ledger.Pin": "write",
     "Ledger.PinBatch": "write",
     "Ledger.Lookup": "read",

@@ -38,6 +38,8 @@ from vault.errors import (
     VaultError,
     VerificationError,
 )
+from vault.files import write_all
+from vault.handoff import HANDOFF_MIN, Mode, hand_off
 from vault.merkle import leaf_hash, verify_inclusion
 from vault.runid import RunInputs
 from vault.trust import TrustedLog
@@ -269,10 +271,18 @@ class BlobReader(io.RawIOBase):
     end (a file that appears only once the whole digest matched)."""
 
     def __init__(
-        self, responses: Iterator[pb.GetResponse], requested: Digest, *, check_chunks: bool = True
+        self,
+        responses: Iterator[pb.GetResponse],
+        requested: Digest,
+        *,
+        check_chunks: bool = True,
+        handed_off: int | None = None,
     ) -> None:
         super().__init__()
         self._responses = responses
+        # The caller's file, handed to the server, which writes each chunk into it instead of
+        # sending its bytes; the bytes are read back from it here and checked as if received.
+        self._handed_off = handed_off
         with _rpc():
             first = next(responses, None)
         if first is None or first.WhichOneof("part") != "header":
@@ -285,7 +295,10 @@ class BlobReader(io.RawIOBase):
             )
         self._start = header.offset
         self._end = header.offset + header.length
+        self._chunk_size = header.chunk_size
         self._whole = header.offset == 0 and header.length == self.info.size
+        if handed_off is not None and not self._whole:
+            raise IntegrityError("the server answered a get into a handed-off file with a range")
         self._check_chunks = check_chunks or not self._whole
         self._hash = _BackgroundHash(requested.algorithm) if self._whole else None
         self._requested = requested
@@ -312,21 +325,36 @@ class BlobReader(io.RawIOBase):
             self._done = True
             return False
         chunk = message.chunk
-        if self._check_chunks and blake3.blake3(chunk.data).digest() != chunk.hash:
+        data = chunk.data if self._handed_off is None else self._written(chunk)
+        if self._check_chunks and blake3.blake3(data).digest() != chunk.hash:
             raise IntegrityError(
                 f"{self._requested}: chunk at offset {chunk.offset} failed its check"
             )
         if self._hash is not None:
-            self._hash.update(chunk.data)
+            self._hash.update(data)
         lo = max(self._position - chunk.offset, 0)
-        hi = min(self._end - chunk.offset, len(chunk.data))
+        hi = min(self._end - chunk.offset, len(data))
         if chunk.offset > self._position or lo > hi:
             raise IntegrityError(
                 f"{self._requested}: chunk at offset {chunk.offset} is out of order"
             )
-        self._buffer = memoryview(chunk.data)[lo:hi]
+        self._buffer = memoryview(data)[lo:hi]
         self._position += hi - lo
         return True
+
+    def _written(self, chunk: pb.Chunk) -> bytes:
+        """What the server wrote into the handed-off file for this chunk."""
+        assert self._handed_off is not None
+        if chunk.data:
+            raise IntegrityError("the server sent bytes for a get into a handed-off file")
+        wanted = max(min(self._chunk_size, self._end - chunk.offset), 0)
+        data = os.pread(self._handed_off, wanted, chunk.offset)
+        if len(data) != wanted:
+            raise IntegrityError(
+                f"{self._requested}: the server wrote {len(data)} bytes at offset "
+                f"{chunk.offset}, expected {wanted}"
+            )
+        return data
 
     def readinto(self, buffer: Any) -> int:
         while not self._buffer:
@@ -377,6 +405,8 @@ class VaultClient:
         # Empty: the vault takes the credential's team (in local mode, "local").
         self.team = team or ""
         self.timeout = timeout
+        # Where this client may hand files to the server (vault/handoff.py), once asked.
+        self._desk: pb.HandoffInfo | None = None
 
     def close(self) -> None:
         self.channel.close()
@@ -395,11 +425,23 @@ class VaultClient:
         *,
         expected: str | None = None,
         progress: Callable[[int], None] | None = None,
+        handoff: bool | None = None,
     ) -> PutResult:
-        """Stream bytes to the vault; returns once they are durable. The client hashes what it
-        sends (BLAKE3, cheap) and checks the server stored exactly that."""
+        """Store bytes in the vault; returns once they are durable. The client hashes what it
+        sends (BLAKE3, cheap) and checks the server stored exactly that.
+
+        A file of at least `HANDOFF_MIN` bytes on the vault's own host is handed to the server,
+        which reads it itself (vault/handoff.py); anything else streams. `handoff=True` asks
+        for the handoff whatever the size and fails if it cannot be had; `False` always
+        streams."""
         if expected:
             Digest.parse(expected)
+        if handoff is not False and isinstance(source, (str, os.PathLike)):
+            result = self._put_handed_off(source, expected, progress, required=bool(handoff))
+            if result is not None:
+                return result
+        elif handoff:
+            raise InvalidArgument("only a file named by its path can be handed off")
         local = blake3.blake3()
 
         def requests(stream: IO[bytes]) -> Iterator[pb.PutRequest]:
@@ -415,13 +457,58 @@ class VaultClient:
 
         with _open_source(source) as stream, _rpc():
             response = self.store.Put(requests(stream), timeout=self.timeout)
-        result = PutResult(BlobInfo.from_wire(response.blob), response.created)
-        if result.blob.blake3.raw != local.digest():
-            raise IntegrityError(
-                f"the vault stored {result.blob.blake3} but the client sent "
-                f"blake3:{local.hexdigest()}"
-            )
-        return result
+        return _stored(response, local.digest())
+
+    def _put_handed_off(
+        self,
+        source: str | os.PathLike[str],
+        expected: str | None,
+        progress: Callable[[int], None] | None,
+        *,
+        required: bool,
+    ) -> PutResult | None:
+        """The put of a file handed to the server, or None when it should stream instead."""
+        try:
+            fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read {os.fspath(source)}: {exc.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if not required and size < HANDOFF_MIN:
+                return None
+            ticket = self._hand_off(fd, "read", required=required)
+            if ticket is None:
+                return None
+            # What the client sends is its file: hash it while the server reads it too.
+            local = _FileHash(fd, size)
+            try:
+                header = pb.PutHeader(expected_digest=expected or "", handoff=ticket)
+                with _rpc():
+                    response = self.store.Put(
+                        iter([pb.PutRequest(header=header)]), timeout=self.timeout
+                    )
+            finally:
+                sent = local.digest()
+        finally:
+            os.close(fd)
+        if progress:
+            progress(size)
+        return _stored(response, sent)
+
+    def _hand_off(self, fd: int, mode: Mode, *, required: bool) -> str | None:
+        """A ticket for `fd` from the server's handoff socket, or None (or, if `required`,
+        Unavailable) when this client cannot hand files to it."""
+        try:
+            if self._desk is None:
+                with _rpc():
+                    self._desk = self.store.Handoff(pb.HandoffRequest(), timeout=self.timeout)
+            if not self._desk.socket:
+                raise OSError("the vault server takes no handed-off files")
+            return hand_off(self._desk.socket, self._desk.instance, fd, mode)
+        except (OSError, VaultError) as exc:
+            if required:
+                raise Unavailable(f"cannot hand the file to the vault server: {exc}") from None
+            return None
 
     def put_many(
         self,
@@ -524,24 +611,54 @@ class VaultClient:
         offset: int = 0,
         length: int | None = None,
         progress: Callable[[int], None] | None = None,
+        handoff: bool | None = None,
     ) -> BlobInfo:
-        """Write a verified blob (or range) to `path`; the file appears only once verified."""
+        """Write a verified blob (or range) to `path`; the file appears only once verified.
+
+        For a whole blob, a client on the vault's own host hands the new file to the server,
+        which writes each verified chunk into it (vault/handoff.py); the client then checks the
+        whole digest of what it reads back. Ranges, and `handoff=False`, stream; `handoff=True`
+        fails if the handoff cannot be had."""
         target = Path(path)
         if target.is_dir():
             raise InvalidArgument(f"cannot write {target}: it is a folder")
+        whole = offset == 0 and length is None
+        if handoff and not whole:
+            raise InvalidArgument("a range cannot be handed off: it streams")
+        wanted = Digest.parse(digest)
         tmp = target.with_name(f".{target.name}.pinvault-partial")
-        # The file appears only once the whole digest matched, so per-chunk checks add nothing.
-        reader = self.open(digest, offset=offset, length=length, check_chunks=False)
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        except OSError as exc:
+            raise InvalidArgument(f"cannot write {target}: {exc.strerror}") from None
         try:
             try:
-                out = open(tmp, "wb")  # noqa: SIM115
-            except OSError as exc:
-                raise InvalidArgument(f"cannot write {target}: {exc.strerror}") from None
-            with out:
+                ticket = None
+                if whole and handoff is not False:
+                    ticket = self._hand_off(fd, "write", required=bool(handoff))
+                request = pb.GetRequest(digest=str(wanted), offset=offset, handoff=ticket or "")
+                if length is not None:
+                    request.length = length
+                with _rpc():
+                    # The file appears only once the whole digest matched, so per-chunk checks
+                    # add nothing.
+                    reader = BlobReader(
+                        self.store.Get(request, timeout=self.timeout),
+                        wanted,
+                        check_chunks=False,
+                        handed_off=fd if ticket else None,
+                    )
                 for piece in reader.chunks():
-                    out.write(piece)
+                    if not ticket:
+                        write_all(fd, piece)
                     if progress:
                         progress(len(piece))
+                if ticket and os.fstat(fd).st_size != reader.info.size:
+                    raise IntegrityError(
+                        f"{wanted}: the server wrote past the end of the blob into {target}"
+                    )
+            finally:
+                os.close(fd)
             os.replace(tmp, target)
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -847,6 +964,46 @@ def _note_size(note: str) -> int:
         return int(note.split("\n")[1])
     except (IndexError, ValueError):
         raise VerificationError("malformed checkpoint note: no size line") from None
+
+
+def _stored(response: pb.PutResponse, sent_blake3: bytes) -> PutResult:
+    """The answer to a put, once checked to name what the client sent."""
+    result = PutResult(BlobInfo.from_wire(response.blob), response.created)
+    if result.blob.blake3.raw != sent_blake3:
+        raise IntegrityError(
+            f"the vault stored {result.blob.blake3} but the client sent blake3:{sent_blake3.hex()}"
+        )
+    return result
+
+
+class _FileHash:
+    """The BLAKE3 of a file's first `size` bytes, computed on a thread of its own."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._fd = fd
+        self._size = size
+        self._hash = blake3.blake3()
+        self._error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name="pinvault-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        offset = 0
+        try:
+            while offset < self._size:
+                piece = os.pread(self._fd, min(PUT_CHUNK * 8, self._size - offset), offset)
+                if not piece:
+                    break
+                self._hash.update(piece)
+                offset += len(piece)
+        except OSError as exc:
+            self._error = exc
+
+    def digest(self) -> bytes:
+        self._thread.join()
+        if self._error is not None:
+            raise InvalidArgument(f"cannot read the file being put: {self._error.strerror}")
+        return bytes(self._hash.digest())
 
 
 @contextlib.contextmanager

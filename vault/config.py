@@ -25,6 +25,9 @@ CONFIG_ENV = "PINVAULT_CONFIG"
 class ServerConfig:
     listen: str = "127.0.0.1:7411"
     workers: int = 32
+    # Let clients on this host hand their files over a Unix socket (handoff.sock in the data
+    # folder) rather than stream the bytes of big puts and gets through gRPC.
+    handoff: bool = True
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,10 @@ class Config:
         return (
             Path(self.store.hot_dir).expanduser() if self.store.hot_dir else self.data_path / "hot"
         )
+
+    @property
+    def handoff_path(self) -> Path:
+        return self.data_path / "handoff.sock"
 
     @property
     def state_path(self) -> Path:

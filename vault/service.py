@@ -7,6 +7,7 @@ import asyncio
 import functools
 import hashlib
 import logging
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -33,6 +34,8 @@ from vault.errors import (
     VaultError,
     VerificationError,
 )
+from vault.files import pwrite_all
+from vault.handoff import Desk, Mode, read_handed_off
 from vault.ledger import Ledger, LogFilter, PinSpec, SignedCheckpoint, StoredEntry
 from vault.runid import RunInputs
 from vault.storage import CHUNK_SIZE
@@ -263,10 +266,22 @@ def _checkpoint(signed: SignedCheckpoint) -> pb.Checkpoint:
 class StoreService(_Service, rpc.StoreServicer):
     rpc_service = "Store"
 
-    def __init__(self, content: Content, ledger: Ledger) -> None:
+    def __init__(self, content: Content, ledger: Ledger, desk: Desk | None = None) -> None:
         self.content = content
         self.ledger = ledger
+        self.desk = desk
         self.inline = content.db.is_sqlite
+
+    def _claim(self, ticket: str, mode: Mode) -> int:
+        if self.desk is None:
+            raise InvalidArgument("this server takes no handed-off files: stream the bytes")
+        return self.desk.claim(ticket, mode)
+
+    @unary
+    def Handoff(self, request: pb.HandoffRequest) -> pb.HandoffInfo:
+        if self.desk is None:
+            return pb.HandoffInfo()
+        return pb.HandoffInfo(socket=str(self.desk.path), instance=self.desk.instance)
 
     async def Put(self, requests: AsyncIterator[pb.PutRequest], context: Any) -> pb.PutResponse:
         blob, created = await _client_stream(self, "Put", context, self._put)
@@ -281,6 +296,8 @@ class StoreService(_Service, rpc.StoreServicer):
         if first.WhichOneof("part") == "header":
             if first.header.expected_digest:
                 expected = Digest.parse(first.header.expected_digest)
+            if first.header.handoff:
+                return self._put_handed_off(first.header.handoff, expected, receive)
         else:
             leading.append(first.data)
 
@@ -293,20 +310,45 @@ class StoreService(_Service, rpc.StoreServicer):
 
         return self.content.put(data(), expected)
 
+    def _put_handed_off(
+        self,
+        ticket: str,
+        expected: Digest | None,
+        receive: Callable[[], pb.PutRequest | None],
+    ) -> tuple[StoredBlob, bool]:
+        fd = self._claim(ticket, "read")
+        if receive() is not None:
+            os.close(fd)
+            raise InvalidArgument("a put of a handed-off file carries no bytes of its own")
+        return self.content.put(read_handed_off(fd), expected)
+
     @streaming
     def Get(self, request: pb.GetRequest, context: Any) -> Iterator[pb.GetResponse]:
         digest = Digest.parse(request.digest)
         length = request.length if request.HasField("length") else None
-        blob, length, chunks = self.content.read(digest, request.offset, length)
-        yield pb.GetResponse(
-            header=pb.GetHeader(
-                blob=_blob(blob), chunk_size=CHUNK_SIZE, offset=request.offset, length=length
-            )
-        )
-        for chunk in chunks:
+        target = self._claim(request.handoff, "write") if request.handoff else None
+        try:
+            blob, length, chunks = self.content.read(digest, request.offset, length)
+            if target is not None and length != blob.info.size:
+                raise InvalidArgument(
+                    "a get into a handed-off file takes the whole blob; ranges stream"
+                )
             yield pb.GetResponse(
-                chunk=pb.Chunk(offset=chunk.offset, data=chunk.data, hash=chunk.hash)
+                header=pb.GetHeader(
+                    blob=_blob(blob), chunk_size=CHUNK_SIZE, offset=request.offset, length=length
+                )
             )
+            for chunk in chunks:
+                if target is None:
+                    yield pb.GetResponse(
+                        chunk=pb.Chunk(offset=chunk.offset, data=chunk.data, hash=chunk.hash)
+                    )
+                else:
+                    pwrite_all(target, chunk.data, chunk.offset)
+                    yield pb.GetResponse(chunk=pb.Chunk(offset=chunk.offset, hash=chunk.hash))
+        finally:
+            if target is not None:
+                os.close(target)
 
     @unary
     def Stat(self, request: pb.StatRequest) -> pb.StatResponse:
@@ -724,15 +766,17 @@ async def build_server(
     gate: Gate | None = None,
     tokens: TokenStore | None = None,
     tls: grpc.ServerCredentials | None = None,
+    desk: Desk | None = None,
 ) -> tuple[grpc.aio.Server, str]:
     """An asyncio gRPC server with the vault's services, health and reflection; returns it and
-    where it listens (the real port when `listen` asked for port 0); `await server.start()`
-    next. Without `gate`, local mode: no credential is asked for; with `tokens`, administrators
-    manage them over the Tokens service."""
+        where it listens (the real port when `listen` asked for port 0); `await server.start()`
+        next. Without `gate`, local mode: no credential is asked for; with `tokens`, administrators
+        manage them over the Tokens service; with `desk`, clients on this host may hand files over
+    (vault/handoff.py)."""
     gate = gate or Gate()
     server = grpc.aio.server(options=SERVER_OPTIONS)
     ledger_service = LedgerService(ledger, content)
-    servicers: list[_Service] = [StoreService(content, ledger), ledger_service]
+    servicers: list[_Service] = [StoreService(content, ledger, desk), ledger_service]
     if admitter is not None:
         servicers.append(AdmissionService(admitter, ledger_service))
     if tokens is not None:

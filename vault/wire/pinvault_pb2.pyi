@@ -21,20 +21,67 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class HandoffRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HandoffRequest: _TypeAlias = HandoffRequest  # noqa: Y015
+
+@_typing.final
+class HandoffInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SOCKET_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    socket: _builtins.str
+    """The Unix socket that parks handed-off files; empty when the server takes none."""
+    instance: _builtins.str
+    """This server process; the socket answers with the same, so that a client never hands a
+    file to another server that happens to listen at that path.
+    """
+    def __init__(
+        self,
+        *,
+        socket: _builtins.str = ...,
+        instance: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "socket", b"socket"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HandoffInfo: _TypeAlias = HandoffInfo  # noqa: Y015
+
+@_typing.final
 class PutHeader(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     EXPECTED_DIGEST_FIELD_NUMBER: _builtins.int
+    HANDOFF_FIELD_NUMBER: _builtins.int
     expected_digest: _builtins.str
     """Optional: refuse (and store nothing) unless the bytes hash to this digest."""
+    handoff: _builtins.str
+    """A ticket for a file handed off for reading: the server stores that file's bytes, and the
+    call carries no data messages.
+    """
     def __init__(
         self,
         *,
         expected_digest: _builtins.str = ...,
+        handoff: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_digest", b"expected_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_digest", b"expected_digest", "handoff", b"handoff"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -125,19 +172,25 @@ class GetRequest(_message.Message):
     DIGEST_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
     LENGTH_FIELD_NUMBER: _builtins.int
+    HANDOFF_FIELD_NUMBER: _builtins.int
     digest: _builtins.str
     offset: _builtins.int
     length: _builtins.int
+    handoff: _builtins.str
+    """A ticket for a file handed off for writing (whole blobs only): the server writes each
+    verified chunk into it at the chunk's offset, and the chunk messages carry no data.
+    """
     def __init__(
         self,
         *,
         digest: _builtins.str = ...,
         offset: _builtins.int = ...,
         length: _builtins.int | None = ...,
+        handoff: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_length", b"_length", "length", b"length"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_length", b"_length", "digest", b"digest", "length", b"length", "offset", b"offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_length", b"_length", "digest", b"digest", "handoff", b"handoff", "length", b"length", "offset", b"offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__length: _TypeAlias = _typing.Literal["length"]  # noqa: Y015
     _WhichOneofArgType__length: _TypeAlias = _typing.Literal["_length", b"_length"]  # noqa: Y015

@@ -66,6 +66,11 @@ class StoreStub:
                 request_serializer=vault_dot_wire_dot_pinvault__pb2.PutBatchRequest.SerializeToString,
                 response_deserializer=vault_dot_wire_dot_pinvault__pb2.PutBatchResponse.FromString,
                 _registered_method=True)
+        self.Handoff = channel.unary_unary(
+                '/pinvault.v1.Store/Handoff',
+                request_serializer=vault_dot_wire_dot_pinvault__pb2.HandoffRequest.SerializeToString,
+                response_deserializer=vault_dot_wire_dot_pinvault__pb2.HandoffInfo.FromString,
+                _registered_method=True)
 
 
 class StoreServicer:
@@ -115,6 +120,15 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Handoff(self, request, context):
+        """Where a client on this host hands files to the server (see vault/handoff.py): a Put or
+        Get that names a ticket from that socket reads or writes the caller's own open file
+        instead of carrying the bytes in messages.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -147,6 +161,11 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.PutBatch,
                     request_deserializer=vault_dot_wire_dot_pinvault__pb2.PutBatchRequest.FromString,
                     response_serializer=vault_dot_wire_dot_pinvault__pb2.PutBatchResponse.SerializeToString,
+            ),
+            'Handoff': grpc.unary_unary_rpc_method_handler(
+                    servicer.Handoff,
+                    request_deserializer=vault_dot_wire_dot_pinvault__pb2.HandoffRequest.FromString,
+                    response_serializer=vault_dot_wire_dot_pinvault__pb2.HandoffInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -313,6 +332,33 @@ class Store:
             '/pinvault.v1.Store/PutBatch',
             vault_dot_wire_dot_pinvault__pb2.PutBatchRequest.SerializeToString,
             vault_dot_wire_dot_pinvault__pb2.PutBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Handoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pinvault.v1.Store/Handoff',
+            vault_dot_wire_dot_pinvault__pb2.HandoffRequest.SerializeToString,
+            vault_dot_wire_dot_pinvault__pb2.HandoffInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,6 +48,11 @@ class StoreStub:
     """Many small blobs in one call, stored with shared syncs; answers once every stored one is
     durable, with one result per blob in the order sent.
     """
+    Handoff: _grpc.UnaryUnaryMultiCallable[_pinvault_pb2.HandoffRequest, _pinvault_pb2.HandoffInfo]
+    """Where a client on this host hands files to the server (see vault/handoff.py): a Put or
+    Get that names a ticket from that socket reads or writes the caller's own open file
+    instead of carrying the bytes in messages.
+    """
 
 @_typing.type_check_only
 class StoreAsyncStub(StoreStub):
@@ -66,6 +71,11 @@ class StoreAsyncStub(StoreStub):
     PutBatch: _aio.StreamUnaryMultiCallable[_pinvault_pb2.PutBatchRequest, _pinvault_pb2.PutBatchResponse]  # type: ignore[assignment]
     """Many small blobs in one call, stored with shared syncs; answers once every stored one is
     durable, with one result per blob in the order sent.
+    """
+    Handoff: _aio.UnaryUnaryMultiCallable[_pinvault_pb2.HandoffRequest, _pinvault_pb2.HandoffInfo]  # type: ignore[assignment]
+    """Where a client on this host hands files to the server (see vault/handoff.py): a Put or
+    Get that names a ticket from that socket reads or writes the caller's own open file
+    instead of carrying the bytes in messages.
     """
 
 class StoreServicer(metaclass=_abc_1.ABCMeta):
@@ -118,6 +128,17 @@ class StoreServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_pinvault_pb2.PutBatchResponse, _abc.Awaitable[_pinvault_pb2.PutBatchResponse]]:
         """Many small blobs in one call, stored with shared syncs; answers once every stored one is
         durable, with one result per blob in the order sent.
+        """
+
+    @_abc_1.abstractmethod
+    def Handoff(
+        self,
+        request: _pinvault_pb2.HandoffRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pinvault_pb2.HandoffInfo, _abc.Awaitable[_pinvault_pb2.HandoffInfo]]:
+        """Where a client on this host hands files to the server (see vault/handoff.py): a Put or
+        Get that names a ticket from that socket reads or writes the caller's own open file
+        instead of carrying the bytes in messages.
         """
 
 def add_StoreServicer_to_server(servicer: StoreServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,313 @@
+"""The file handoff: a client on the vault's host passes its open file over the server's Unix
+socket instead of streaming the bytes. Puts and gets through it give the same blobs as streamed
+ones, a corrupt stored byte still never reaches the caller's file, and the socket parks only
+what a later authorised call may use, once."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import blake3
+import grpc
+import pytest
+
+from tests.conftest import StartVault
+from tests.services.vault_server import VaultServer
+from tests.test_access import Vault, vault  # noqa: F401  (the fixture)
+from vault.client import VaultClient
+from vault.errors import IntegrityError, InvalidArgument, PermissionDenied, Unavailable
+from vault.handoff import HANDOFF_MIN, MAX_PARKED, hand_off
+from vault.storage import CHUNK_SIZE
+from vault.wire import pinvault_pb2 as pb
+from vault.wire import pinvault_pb2_grpc as rpc
+
+SIZE = 5 * CHUNK_SIZE + 12345  # not a whole number of chunks
+
+
+def write_file(path: Path, size: int = SIZE, seed: int = 0) -> bytes:
+    data = hashlib.shake_256(seed.to_bytes(4, "little")).digest(size)
+    path.write_bytes(data)
+    return data
+
+
+@pytest.fixture
+def client(vault_server: VaultServer, tmp_path: Path) -> Any:
+    with vault_server.client(state=tmp_path / "trust.json") as client:
+        yield client
+
+
+def desk(client: VaultClient) -> pb.HandoffInfo:
+    info: pb.HandoffInfo = client.store.Handoff(pb.HandoffRequest())
+    return info
+
+
+def test_the_server_names_its_handoff_socket_in_the_data_folder(
+    vault_server: VaultServer, client: VaultClient
+) -> None:
+    info = desk(client)
+    assert info.socket == str(vault_server.data_dir / "handoff.sock")
+    assert Path(info.socket).is_socket()
+    assert len(info.instance) == 32
+    assert f"  handoff socket {info.socket}" in vault_server.banner
+
+
+def test_a_handed_off_put_and_get_match_sha256sum_and_b3sum(
+    client: VaultClient, tmp_path: Path
+) -> None:
+    source = tmp_path / "model.bin"
+    data = write_file(source)
+    put = client.put(source, handoff=True)
+    sha = subprocess.run(["sha256sum", source], capture_output=True, check=True, text=True)
+    b3 = subprocess.run(["b3sum", source], capture_output=True, check=True, text=True)
+    assert str(put.blob.sha256) == "sha256:" + sha.stdout.split()[0]
+    assert str(put.blob.blake3) == "blake3:" + b3.stdout.split()[0]
+    assert put.blob.size == len(data)
+    assert put.created
+
+    again = client.put(source, handoff=True)
+    assert not again.created and again.blob == put.blob
+
+    for digest in (put.blob.sha256, put.blob.blake3):
+        target = tmp_path / f"back-{digest.algorithm}.bin"
+        info = client.get(str(digest), target, handoff=True)
+        assert info == put.blob
+        assert target.read_bytes() == data
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".bin") == [
+        "back-blake3.bin",
+        "back-sha256.bin",
+        "model.bin",
+    ]
+    assert [p for p in tmp_path.iterdir() if "partial" in p.name] == []
+
+
+def test_streamed_and_handed_off_puts_store_the_same_blob(
+    client: VaultClient, tmp_path: Path
+) -> None:
+    source = tmp_path / "data.bin"
+    write_file(source, seed=1)
+    streamed = client.put(source, handoff=False)
+    handed = client.put(source, handoff=True)
+    assert streamed.created and not handed.created
+    assert handed.blob == streamed.blob
+
+
+def test_large_files_are_handed_off_unasked_and_small_bytes_stream(
+    client: VaultClient, tmp_path: Path
+) -> None:
+    big = tmp_path / "big.bin"
+    data = write_file(big, HANDOFF_MIN + 1, seed=2)
+    result = client.put(big)
+    assert result.blob.size == len(data)
+    out = tmp_path / "out.bin"
+    client.get(str(result.blob.sha256), out)
+    assert out.read_bytes() == data
+    assert client.put(b"small bytes").blob.size == len(b"small bytes")
+    with pytest.raises(InvalidArgument, match="only a file named by its path"):
+        client.put(b"bytes have no file", handoff=True)
+
+
+def test_a_corrupt_stored_byte_never_reaches_the_handed_off_file(
+    vault_server: VaultServer, client: VaultClient, tmp_path: Path
+) -> None:
+    source = tmp_path / "victim.bin"
+    write_file(source, seed=3)
+    put = client.put(source, handoff=True)
+    stored = vault_server.blob_path(str(put.blob.sha256))
+    with open(stored, "r+b") as f:
+        f.seek(3 * CHUNK_SIZE + 7)
+        byte = f.read(1)
+        f.seek(3 * CHUNK_SIZE + 7)
+        f.write(bytes([byte[0] ^ 0x01]))
+    target = tmp_path / "fetched.bin"
+    with pytest.raises(IntegrityError, match=f"chunk at byte offset {3 * CHUNK_SIZE} hashes to"):
+        client.get(str(put.blob.sha256), target, handoff=True)
+    assert not target.exists()
+    assert [p.name for p in tmp_path.iterdir() if "fetched" in p.name] == []
+
+
+def test_a_range_streams_and_cannot_be_handed_off(client: VaultClient, tmp_path: Path) -> None:
+    source = tmp_path / "ranged.bin"
+    data = write_file(source, seed=4)
+    put = client.put(source, handoff=True)
+    with pytest.raises(InvalidArgument, match="a range cannot be handed off"):
+        client.get(str(put.blob.sha256), tmp_path / "r.bin", offset=10, length=20, handoff=True)
+    client.get(str(put.blob.sha256), tmp_path / "r.bin", offset=CHUNK_SIZE + 10, length=20)
+    assert (tmp_path / "r.bin").read_bytes() == data[CHUNK_SIZE + 10 : CHUNK_SIZE + 30]
+
+
+def test_a_server_without_handoff_streams_and_says_so_when_asked(
+    start_vault: StartVault, tmp_path: Path
+) -> None:
+    server = start_vault(env={"PINVAULT_SERVER_HANDOFF": "false"})
+    source = tmp_path / "plain.bin"
+    data = write_file(source, HANDOFF_MIN + 3, seed=5)
+    with server.client(state=tmp_path / "trust.json") as client:
+        assert desk(client).socket == ""
+        assert not (server.data_dir / "handoff.sock").exists()
+        with pytest.raises(Unavailable, match="takes no handed-off files"):
+            client.put(source, handoff=True)
+        put = client.put(source)
+        client.get(str(put.blob.sha256), tmp_path / "out.bin")
+        assert (tmp_path / "out.bin").read_bytes() == data
+
+
+def test_a_socket_path_too_long_for_an_address_still_works(
+    start_vault: StartVault, tmp_path: Path
+) -> None:
+    data_dir = tmp_path / ("d" * 60) / ("e" * 60)
+    server = start_vault(data_dir=data_dir)
+    source = tmp_path / "long.bin"
+    data = write_file(source, seed=6)
+    with server.client(state=tmp_path / "trust.json") as client:
+        assert len(desk(client).socket) > 108
+        put = client.put(source, handoff=True)
+        client.get(str(put.blob.sha256), tmp_path / "out.bin", handoff=True)
+    assert (tmp_path / "out.bin").read_bytes() == data
+
+
+# -- the socket and its tickets ---------------------------------------------------------------
+
+
+def park(info: pb.HandoffInfo, fd: int, mode: str) -> str:
+    return hand_off(info.socket, info.instance, fd, mode)  # type: ignore[arg-type]
+
+
+def refusal(info: pb.HandoffInfo, fds: list[int], message: bytes) -> str:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.connect(info.socket)
+        socket.send_fds(connection, [message], fds)
+        return connection.recv(1024).decode()
+
+
+def test_the_socket_takes_only_regular_files_opened_as_its_mode_needs(
+    client: VaultClient, tmp_path: Path
+) -> None:
+    info = desk(client)
+    read_end, write_end = os.pipe()
+    source = tmp_path / "f.bin"
+    write_file(source, 100)
+    read_only = os.open(source, os.O_RDONLY)
+    write_only = os.open(source, os.O_WRONLY)
+    appending = os.open(source, os.O_RDWR | os.O_APPEND)
+    try:
+        assert refusal(info, [read_end], b"read") == "error only regular files can be handed off\n"
+        assert refusal(info, [read_only], b"write") == (
+            "error a file handed off for writing was opened read-only\n"
+        )
+        assert refusal(info, [write_only], b"read") == (
+            "error a file handed off for reading was opened write-only\n"
+        )
+        assert "must not be opened for appending" in refusal(info, [appending], b"write")
+        assert "unknown handoff mode 'delete'" in refusal(info, [read_only], b"delete")
+        assert "expected one file descriptor, got 2" in refusal(
+            info, [read_only, write_only], b"read"
+        )
+        with pytest.raises(OSError, match="belongs to another vault server"):
+            hand_off(info.socket, "0" * 32, read_only, "read")
+    finally:
+        for fd in (read_end, write_end, read_only, write_only, appending):
+            os.close(fd)
+
+
+def test_a_ticket_serves_one_call_of_its_own_kind(
+    vault_server: VaultServer, client: VaultClient, tmp_path: Path
+) -> None:
+    info = desk(client)
+    source = tmp_path / "once.bin"
+    data = write_file(source, 1000, seed=7)
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        ticket = park(info, fd, "read")
+    finally:
+        os.close(fd)  # the server holds its own copy of the descriptor
+    with grpc.insecure_channel(vault_server.address) as channel:
+        store = rpc.StoreStub(channel)
+
+        def put(ticket: str, *more: pb.PutRequest) -> pb.PutResponse:
+            header = pb.PutRequest(header=pb.PutHeader(handoff=ticket))
+            response: pb.PutResponse = store.Put(iter([header, *more]))
+            return response
+
+        assert put(ticket).blob.sha256 == "sha256:" + hashlib.sha256(data).hexdigest()
+        with pytest.raises(grpc.RpcError) as again:
+            put(ticket)
+        assert again.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "unknown or expired handoff ticket" in (again.value.details() or "")
+
+        fd = os.open(source, os.O_RDONLY)
+        try:
+            ticket = park(info, fd, "read")
+        finally:
+            os.close(fd)
+        request = pb.GetRequest(digest="sha256:" + hashlib.sha256(data).hexdigest(), handoff=ticket)
+        with pytest.raises(grpc.RpcError) as wrong:
+            list(store.Get(request))
+        assert wrong.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "given for reading; this call needs it for writing" in (wrong.value.details() or "")
+
+        fd = os.open(source, os.O_RDONLY)
+        try:
+            ticket = park(info, fd, "read")
+        finally:
+            os.close(fd)
+        with pytest.raises(grpc.RpcError) as mixed:
+            put(ticket, pb.PutRequest(data=b"extra"))
+        assert mixed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "carries no bytes of its own" in (mixed.value.details() or "")
+
+
+def test_a_handed_off_put_needs_the_write_permission(
+    vault: Vault,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    source = tmp_path / "secret.bin"
+    data = write_file(source, seed=8)
+    with (
+        vault.as_("rita", "vision", "reader") as reader,
+        pytest.raises(PermissionDenied, match=r"may not call Store\.Put"),
+    ):
+        reader.put(source, handoff=True)
+    with vault.as_("wes", "vision", "writer") as writer:
+        put = writer.put(source, handoff=True)
+        writer.get(str(put.blob.sha256), tmp_path / "out.bin", handoff=True)
+    assert (tmp_path / "out.bin").read_bytes() == data
+    assert put.blob.blake3.raw == blake3.blake3(data).digest()
+
+
+def test_the_socket_parks_a_bounded_number_of_unclaimed_files(
+    start_vault: StartVault, tmp_path: Path
+) -> None:
+    server = start_vault()
+    source = tmp_path / "parked.bin"
+    write_file(source, 100)
+    with server.client() as client:
+        info = desk(client)
+        fd = os.open(source, os.O_RDONLY)
+        try:
+            tickets = {park(info, fd, "read") for _ in range(MAX_PARKED)}
+            assert len(tickets) == MAX_PARKED
+            with pytest.raises(OSError, match=f"{MAX_PARKED} handed-off files wait unclaimed"):
+                park(info, fd, "read")
+        finally:
+            os.close(fd)
+        # Unasked, a client whose file is refused streams instead.
+        big = tmp_path / "big.bin"
+        data = write_file(big, HANDOFF_MIN, seed=9)
+        put = client.put(big)
+        assert put.blob.size == len(data)
+
+
+def test_vault_put_and_get_hand_large_files_off(vault_server: VaultServer, tmp_path: Path) -> None:
+    source = tmp_path / "weights.bin"
+    data = write_file(source, HANDOFF_MIN + CHUNK_SIZE // 3, seed=10)
+    line = vault_server.run("put", str(source)).ok().stdout.strip()
+    expected = "sha256:" + hashlib.sha256(data).hexdigest()
+    assert line.startswith(expected)
+    target = tmp_path / "fetched.bin"
+    vault_server.run("get", expected, "-o", str(target)).ok()
+    assert target.read_bytes() == data
