@@ -3,6 +3,9 @@ copy, every copy's last verification journaled, and a rate that is kept to."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -10,6 +13,7 @@ from tests.test_tier_manager import flip_bit
 from tests.tier_contract import LARGE, content
 from tiers.hot import HotTier
 from tiers.manager import TierManager
+from tiers.maphash import MapHasher
 from tiers.scrub import Scrubber
 from tiers.warm import WarmTier
 from vault.storage import get_bytes, put_bytes
@@ -48,3 +52,58 @@ def test_scrub_keeps_to_its_rate(tmp_path: Path) -> None:
         elapsed = time.monotonic() - started
     # 4 MiB at 8 MiB/s: half a second at least, where unpaced it takes milliseconds.
     assert stats.copies == 4 and elapsed >= 0.45
+
+
+def test_a_large_copy_hashed_through_a_map_still_names_its_damaged_chunk(tmp_path: Path) -> None:
+    hot, warm = HotTier(tmp_path / "hot"), WarmTier(tmp_path / "warm")
+    with TierManager(
+        [("hot", hot), ("warm", warm)], journal=tmp_path / "tiers.db", owned=[warm]
+    ) as manager:
+        data = content(9 * 1024 * 1024 + 17, seed=8)
+        sha256 = put_bytes(manager, data).sha256
+        put_bytes(warm, data)
+
+        clean = Scrubber(manager).scrub_all()
+        assert (clean.copies, clean.faults) == (2, 0)
+
+        flip_bit(hot, sha256, 7 * 1024 * 1024 + 3)
+        stats = Scrubber(manager).scrub_all()
+
+        assert (stats.copies, stats.faults, stats.repaired) == (2, 1, 1)
+        assert get_bytes(hot, sha256) == data
+        (record,) = manager.journal.records(sha256)
+        assert (record.tier, record.offset) == ("hot", 7 * 1024 * 1024)
+
+
+def test_the_map_hasher_gives_b3sums_digest_and_survives_its_child_dying(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "blob"
+    data = content(5 * 1024 * 1024 + 1, seed=9)
+    path.write_bytes(data)
+    b3sum = subprocess.run(["b3sum", "--no-names", path], capture_output=True, check=True)
+    hasher = MapHasher()
+    try:
+        assert hasher.hash(path) == (bytes.fromhex(b3sum.stdout.decode().strip()), len(data))
+        assert hasher.hash(tmp_path / "absent") is None
+        # A fault under the map kills the child (SIGBUS) mid-request: the caller hears None,
+        # and the next file gets a new child. The child is stopped first so that it dies
+        # while the request waits on it.
+        child = hasher._child
+        assert child is not None
+        child.send_signal(signal.SIGSTOP)
+        answers: list[object] = []
+        asking = threading.Thread(target=lambda: answers.append(hasher.hash(path)))
+        asking.start()
+        deadline = time.monotonic() + 10
+        while not hasher._lock.locked() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        child.send_signal(signal.SIGBUS)
+        child.send_signal(signal.SIGCONT)
+        asking.join(10)
+        assert answers == [None]
+        assert hasher.hash(path) == (bytes.fromhex(b3sum.stdout.decode().strip()), len(data))
+        assert hasher._child is not None and hasher._child.pid != child.pid
+    finally:
+        hasher.close()

@@ -4,6 +4,7 @@ the tier manager's repair; `vault scrub` runs it once, `vault serve` all the tim
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -17,6 +18,7 @@ import blake3
 
 from tiers.hot import HotTier
 from tiers.manager import Placement, TierManager
+from tiers.maphash import MapHasher
 from tiers.worker import Worker
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound, Unavailable, VaultError
@@ -31,6 +33,10 @@ _SEGMENT_CHUNKS: Final = 4
 _THREADS: Final = max(2, min(4, os.cpu_count() or 1))
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
+# Copies at least this large are hashed through a map in a child process first; for smaller
+# ones, the round trip to the child costs more than the copy it saves.
+_MAP_MIN: Final = 4 * 1024 * 1024
+_MAPPER: MapHasher | None = None
 _buffers = threading.local()
 # The background scrubber looks again at least this often when nothing is due.
 _IDLE: Final = 60.0
@@ -49,9 +55,13 @@ class ScrubStats:
 
 
 def verify_copy(tier: BlobStore, sha256: Digest) -> int:
-    """Check one copy whole and return its size. A hot copy's chunks are each checked against
-    their BLAKE3 in the chunk list, which is bound to the digest: what every read relies on,
-    at the cost of one BLAKE3 pass, hashed on every core; other tiers run their own verify."""
+    """Check one copy whole and return its size. A hot copy is checked against the BLAKE3 in
+    its chunk list, which is bound to the digest: what every read relies on, at the cost of
+    one BLAKE3 pass, hashed on every core; other tiers run their own verify.
+
+    A large hot copy is first hashed whole through a memory map in a child process (see
+    tiers/maphash.py), as `b3sum` does; only when that fails or disagrees is it read chunk by
+    chunk, which names the damaged chunk or the read error."""
     if isinstance(tier, HotTier):
         return _verify_hot_copy(tier, sha256)
     return tier.verify(sha256).size
@@ -71,9 +81,12 @@ def _verify_hot_copy(tier: HotTier, sha256: Digest) -> int:
             raise IntegrityError(
                 f"stored copy of {sha256} is damaged: {stored} bytes, expected {chunks.size}"
             )
-        # Read, not mmap: a read error or a file cut short under a map kills the process with
-        # SIGBUS, and finding exactly those is the scrubber's job. Segments of whole chunks go
-        # to a few threads, which read and hash at once (both release the GIL).
+        if stored >= _MAP_MIN and _mapper().hash(path) == (chunks.blake3.raw, chunks.size):
+            return chunks.size
+        # Read, not mmap, in this process: a read error or a file cut short under a map kills
+        # the process with SIGBUS, and finding exactly those is the scrubber's job. Segments
+        # of whole chunks go to a few threads, which read and hash at once (both release the
+        # GIL).
         step = _SEGMENT_CHUNKS * chunks.chunk_size
         for failure in _pool().map(
             lambda start: _check_segment(fd, chunks, start, step), range(0, chunks.size, step)
@@ -105,6 +118,15 @@ def _check_segment(fd: int, chunks: ChunkList, start: int, length: int) -> str:
             )
         index += 1
     return ""
+
+
+def _mapper() -> MapHasher:
+    global _MAPPER
+    with _POOL_LOCK:
+        if _MAPPER is None:
+            _MAPPER = MapHasher()
+            atexit.register(_MAPPER.close)
+        return _MAPPER
 
 
 def _pool() -> ThreadPoolExecutor:
