@@ -177,6 +177,15 @@ def park(info: pb.HandoffInfo, fd: int, mode: str) -> str:
     return hand_off(info.socket, info.instance, fd, mode)  # type: ignore[arg-type]
 
 
+def park_file(info: pb.HandoffInfo, path: Path) -> str:
+    """A ticket for `path` handed off for reading; the server keeps its own descriptor."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return park(info, fd, "read")
+    finally:
+        os.close(fd)
+
+
 def refusal(info: pb.HandoffInfo, fds: list[int], message: bytes) -> str:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
         connection.connect(info.socket)
@@ -220,11 +229,7 @@ def test_a_ticket_serves_one_call_of_its_own_kind(
     info = desk(client)
     source = tmp_path / "once.bin"
     data = write_file(source, 1000, seed=7)
-    fd = os.open(source, os.O_RDONLY)
-    try:
-        ticket = park(info, fd, "read")
-    finally:
-        os.close(fd)  # the server holds its own copy of the descriptor
+    ticket = park_file(info, source)
     with grpc.insecure_channel(vault_server.address) as channel:
         store = rpc.StoreStub(channel)
 
@@ -239,22 +244,14 @@ def test_a_ticket_serves_one_call_of_its_own_kind(
         assert again.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "unknown or expired handoff ticket" in (again.value.details() or "")
 
-        fd = os.open(source, os.O_RDONLY)
-        try:
-            ticket = park(info, fd, "read")
-        finally:
-            os.close(fd)
+        ticket = park_file(info, source)
         request = pb.GetRequest(digest="sha256:" + hashlib.sha256(data).hexdigest(), handoff=ticket)
         with pytest.raises(grpc.RpcError) as wrong:
             list(store.Get(request))
         assert wrong.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "given for reading; this call needs it for writing" in (wrong.value.details() or "")
 
-        fd = os.open(source, os.O_RDONLY)
-        try:
-            ticket = park(info, fd, "read")
-        finally:
-            os.close(fd)
+        ticket = park_file(info, source)
         with pytest.raises(grpc.RpcError) as mixed:
             put(ticket, pb.PutRequest(data=b"extra"))
         assert mixed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
