@@ -133,11 +133,20 @@ class ReplicationQueue:
 
     def done(self, digest: Digest, mirror: str, size: int) -> None:
         """Record a verified copy and drop it from the queue."""
+        self.done_many([(digest, mirror, size)])
+
+    def done_many(self, copies: Sequence[tuple[Digest, str, int]]) -> None:
+        """Record verified copies, one commit for them all. A record lost to a crash before
+        it commits costs only a second check of that copy: the copy stays queued."""
+        now = time.time()
         with self._transaction() as db:
-            db.execute("DELETE FROM pending WHERE digest = ? AND mirror = ?", (str(digest), mirror))
-            db.execute(
+            db.executemany(
+                "DELETE FROM pending WHERE digest = ? AND mirror = ?",
+                [(str(digest), mirror) for digest, mirror, _ in copies],
+            )
+            db.executemany(
                 "INSERT OR REPLACE INTO copies (digest, mirror, size, verified) VALUES (?,?,?,?)",
-                (str(digest), mirror, size, time.time()),
+                [(str(digest), mirror, size, now) for digest, mirror, size in copies],
             )
 
     def failed(self, digest: Digest, mirror: str, error: str, retry_at: float) -> None:

@@ -25,17 +25,22 @@ IDLE_POLL: Final = 5.0
 _BATCH: Final = 32
 
 
-def copy_to_mirror(source: BlobStore, mirror: Mirror, digest: Digest) -> int:
+def copy_to_mirror(
+    source: BlobStore, mirror: Mirror, digest: Digest, size: int | None = None
+) -> int:
     """Make sure `mirror` holds a verified copy of `digest`, read (verified) from `source`;
     returns the blob's size.
 
     A copy already there counts only once read back whole and found intact; a damaged one is
     replaced. A new copy is checked as it is written: every byte read from `source` is checked
     against its chunk list, the whole against the digest, and the endpoint must echo the
-    SHA-256 of every part it received (else the cold tier reads it back).
+    SHA-256 of every part it received (else the cold tier reads it back). A blob known to be
+    small (`size`) is written without looking first: its one conditional PUT finds a copy
+    already there as cheaply as a look-up would.
     """
     tier = mirror.tier
-    if not tier.find_missing([digest]):
+    small = size is not None and size <= tier.inline_limit
+    if not small and not tier.find_missing([digest]):
         try:
             return tier.verify(digest).size
         except IntegrityError as damage:
@@ -128,12 +133,15 @@ class Replicator:
             batch = self.queue.due(mirror.name, limit=_BATCH)
             if not batch:
                 break
-            for item in batch:
-                if stop():
-                    return report
-                reachable = self._replicate(mirror, item, report)
-                if not reachable:
-                    return report
+            # The copies made are recorded once a batch, in one commit.
+            made: list[tuple[Digest, str, int]] = []
+            try:
+                for item in batch:
+                    if stop() or not self._replicate(mirror, item, report, made):
+                        return report
+            finally:
+                if made:
+                    self.queue.done_many(made)
         return report
 
     def _run(self, mirror: Mirror) -> None:
@@ -151,10 +159,17 @@ class Replicator:
             if pause > 0:
                 wake.wait(pause)
 
-    def _replicate(self, mirror: Mirror, item: Pending, report: DrainReport) -> bool:
-        """One queued copy; False if the mirror turned out unreachable."""
+    def _replicate(
+        self,
+        mirror: Mirror,
+        item: Pending,
+        report: DrainReport,
+        made: list[tuple[Digest, str, int]],
+    ) -> bool:
+        """One queued copy, added to `made` once verified; False if the mirror turned out
+        unreachable."""
         try:
-            size = copy_to_mirror(self.source, mirror, item.digest)
+            size = copy_to_mirror(self.source, mirror, item.digest, item.size)
         except NotFound as error:
             if self.source.info(item.digest) is None:
                 # The blob was deleted here: there is nothing left to copy.
@@ -174,7 +189,7 @@ class Replicator:
             self._failed(mirror, item, report, f"{type(error).__name__}: {error}")
             return True
         mirror.seen_up()
-        self.queue.done(item.digest, mirror.name, size)
+        made.append((item.digest, mirror.name, size))
         report.copied += 1
         report.copied_bytes += size
         return True

@@ -551,10 +551,13 @@ class ColdTier(Closing, BlobStore):
     def _install(self, writer: ColdWriter, chunks: ChunkList) -> bool:
         """Store a finished put under its digest; False if the blob was already there."""
         key = self._index_key(chunks.sha256)
-        if self._exists(key):
-            return False
         upload = writer.upload
-        if upload is None and len(writer.pending) <= self.inline_limit:
+        inline = upload is None and len(writer.pending) <= self.inline_limit
+        # A small blob goes up in its one conditional PUT, which refuses to replace a copy
+        # already there: looking first would cost as much as the PUT.
+        if not (inline and self._conditional_puts) and self._exists(key):
+            return False
+        if inline:
             body = encode_index(chunks, writer.entries, None) + bytes(writer.pending)
             return self._put_index(key, body, chunks, writer.stored_size, None)
         if upload is None:

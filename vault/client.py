@@ -241,24 +241,33 @@ class StateFile:
 
 class _BackgroundHash:
     """Hashes on its own thread (hashlib and blake3 release the GIL), so that receiving,
-    hashing and writing overlap; the bounded queue keeps memory bounded."""
+    hashing and writing overlap; the bounded queue keeps memory bounded. For fewer than
+    `threaded_from` bytes, a thread costs more than it saves, and it hashes as it is fed."""
 
-    def __init__(self, algorithm: str) -> None:
+    def __init__(self, algorithm: str, size: int, threaded_from: int = 4 * PUT_CHUNK) -> None:
         self._hash: Any = hashlib.sha256() if algorithm == "sha256" else blake3.blake3()
-        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=8)
-        self._thread = threading.Thread(target=self._run, name="pinvault-hash", daemon=True)
-        self._thread.start()
+        self._queue: queue.Queue[bytes | None] | None = None
+        self._thread: threading.Thread | None = None
+        if size >= threaded_from:
+            self._queue = queue.Queue(maxsize=8)
+            self._thread = threading.Thread(target=self._run, name="pinvault-hash", daemon=True)
+            self._thread.start()
 
     def _run(self) -> None:
+        assert self._queue is not None
         while (data := self._queue.get()) is not None:
             self._hash.update(data)
 
     def update(self, data: bytes) -> None:
-        self._queue.put(data)
+        if self._queue is None:
+            self._hash.update(data)
+        else:
+            self._queue.put(data)
 
     def digest(self) -> bytes:
-        self._queue.put(None)
-        self._thread.join()
+        if self._queue is not None and self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
         return bytes(self._hash.digest())
 
 
@@ -300,7 +309,7 @@ class BlobReader(io.RawIOBase):
         if handed_off is not None and not self._whole:
             raise IntegrityError("the server answered a get into a handed-off file with a range")
         self._check_chunks = check_chunks or not self._whole
-        self._hash = _BackgroundHash(requested.algorithm) if self._whole else None
+        self._hash = _BackgroundHash(requested.algorithm, header.length) if self._whole else None
         self._requested = requested
         self._buffer = memoryview(b"")
         self._position = self._start

@@ -151,9 +151,7 @@ class _Failed:
 
 
 def streaming(method: Callable[..., Iterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-    """An asyncio server-streaming handler from a plain generator method. The generator runs on
-    a worker thread (it reads disks or databases) up to a few messages ahead of the network,
-    so reading the next chunk overlaps with sending this one."""
+    """An asyncio server-streaming handler from a plain generator method: see `_stream`."""
 
     @functools.wraps(method)
     async def wrapper(self: _Service, request: Any, context: Any) -> AsyncIterator[Any]:
@@ -161,45 +159,53 @@ def streaming(method: Callable[..., Iterator[Any]]) -> Callable[..., AsyncIterat
             self.authorise(method.__name__, context)
         except Exception as exc:
             await _abort(context, exc)
-        loop = asyncio.get_running_loop()
-        # Unbounded on the loop side; `room` bounds it from the producer's side. The producer
-        # never waits for the loop to take an item (a thread round trip per message would
-        # cost more than the message).
-        ready: asyncio.Queue[Any] = asyncio.Queue()
-        room = threading.Semaphore(_AHEAD)
-        stopped = threading.Event()
-
-        def hand_over(item: Any) -> None:
-            room.acquire()
-            if not stopped.is_set():
-                loop.call_soon_threadsafe(ready.put_nowait, item)
-
-        def produce() -> None:
-            try:
-                for message in method(self, request, context):
-                    if stopped.is_set():
-                        return
-                    hand_over(message)
-                hand_over(_END)
-            except BaseException as exc:  # handed to the handler, which reports it
-                hand_over(_Failed(exc))
-
-        producer = loop.run_in_executor(None, produce)
-        try:
-            while (message := await ready.get()) is not _END:
-                room.release()
-                if isinstance(message, _Failed):
-                    raise message.error
-                yield message
-        except Exception as exc:
-            await _abort(context, exc)
-        finally:
-            # The caller went away or the stream ended: wake a producer waiting for room.
-            stopped.set()
-            room.release()
-            await producer
+        async for message in _stream(lambda: method(self, request, context), context):
+            yield message
 
     return wrapper
+
+
+async def _stream(messages: Callable[[], Iterator[Any]], context: Any) -> AsyncIterator[Any]:
+    """The messages of a plain generator, which runs on a worker thread (it reads disks or
+    databases) up to a few messages ahead of the network, so that reading the next chunk
+    overlaps with sending this one."""
+    loop = asyncio.get_running_loop()
+    # Unbounded on the loop side; `room` bounds it from the producer's side. The producer
+    # never waits for the loop to take an item (a thread round trip per message would cost
+    # more than the message).
+    ready: asyncio.Queue[Any] = asyncio.Queue()
+    room = threading.Semaphore(_AHEAD)
+    stopped = threading.Event()
+
+    def hand_over(item: Any) -> None:
+        room.acquire()
+        if not stopped.is_set():
+            loop.call_soon_threadsafe(ready.put_nowait, item)
+
+    def produce() -> None:
+        try:
+            for message in messages():
+                if stopped.is_set():
+                    return
+                hand_over(message)
+            hand_over(_END)
+        except BaseException as exc:  # handed to the handler, which reports it
+            hand_over(_Failed(exc))
+
+    producer = loop.run_in_executor(None, produce)
+    try:
+        while (message := await ready.get()) is not _END:
+            room.release()
+            if isinstance(message, _Failed):
+                raise message.error
+            yield message
+    except Exception as exc:
+        await _abort(context, exc)
+    finally:
+        # The caller went away or the stream ended: wake a producer waiting for room.
+        stopped.set()
+        room.release()
+        await producer
 
 
 R = TypeVar("R")
@@ -322,8 +328,32 @@ class StoreService(_Service, rpc.StoreServicer):
             raise InvalidArgument("a put of a handed-off file carries no bytes of its own")
         return self.content.put(read_handed_off(fd), expected)
 
-    @streaming
-    def Get(self, request: pb.GetRequest, context: Any) -> Iterator[pb.GetResponse]:
+    # A blob this small is read whole in one trip to a worker thread and sent at once: the
+    # round trips between the loop and a streaming producer would cost more than its bytes.
+    SMALL_GET: Final = 256 * 1024
+
+    async def Get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[pb.GetResponse]:
+        try:
+            self.authorise("Get", context)
+            whole = await asyncio.to_thread(self._small_get, request)
+        except Exception as exc:
+            await _abort(context, exc)
+        if whole is not None:
+            for message in whole:
+                yield message
+            return
+        async for message in _stream(lambda: self._get(request), context):
+            yield message
+
+    def _small_get(self, request: pb.GetRequest) -> list[pb.GetResponse] | None:
+        """All the messages of a get of a small blob; None for any other get."""
+        if request.handoff or self.content.get(Digest.parse(request.digest)).info.size > (
+            self.SMALL_GET
+        ):
+            return None
+        return list(self._get(request))
+
+    def _get(self, request: pb.GetRequest) -> Iterator[pb.GetResponse]:
         digest = Digest.parse(request.digest)
         length = request.length if request.HasField("length") else None
         target = self._claim(request.handoff, "write") if request.handoff else None
