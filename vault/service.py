@@ -347,9 +347,7 @@ class StoreService(_Service, rpc.StoreServicer):
 
     def _small_get(self, request: pb.GetRequest) -> list[pb.GetResponse] | None:
         """All the messages of a get of a small blob; None for any other get."""
-        if request.handoff or self.content.get(Digest.parse(request.digest)).info.size > (
-            self.SMALL_GET
-        ):
+        if self.content.get(Digest.parse(request.digest)).info.size > self.SMALL_GET:
             return None
         return list(self._get(request))
 
