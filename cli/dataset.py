@@ -14,6 +14,7 @@ from vault.client import VaultClient
 from vault.config import Config
 from vault.dataset import add_dataset, checkout_dataset, diff_datasets
 from vault.digest import Digest
+from vault.hashcache import HashCache, default_path
 
 Connect = Callable[[Config], VaultClient]
 
@@ -32,6 +33,11 @@ def add_dataset_commands(sub: Any, connect: Connect) -> None:
     )
     q.add_argument("folder", metavar="DIR")
     q.add_argument("--name", help="the pin's name (default: the folder's name)")
+    q.add_argument(
+        "--rehash",
+        action="store_true",
+        help="read and hash every file, even those unchanged since they were last hashed",
+    )
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=partial(_add, connect=connect))
 
@@ -51,8 +57,13 @@ def add_dataset_commands(sub: Any, connect: Connect) -> None:
 
 
 def _add(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
-    with connect(config) as client:
-        result = add_dataset(client, Path(args.folder), name=args.name)
+    cache = None if args.rehash else HashCache(default_path())
+    try:
+        with connect(config) as client:
+            result = add_dataset(client, Path(args.folder), name=args.name, cache=cache)
+    finally:
+        if cache is not None:
+            cache.close()
     if args.json:
         _print_json(
             {

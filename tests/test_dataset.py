@@ -9,14 +9,24 @@ import json
 import os
 import stat
 import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.conftest import StartVault
 from tests.services.vault_server import VaultServer
-from vault.dataset import FileEntry, build_manifest, decode_manifest, encode_manifest
+from vault import dataset
+from vault.dataset import (
+    FileEntry,
+    add_dataset,
+    build_manifest,
+    decode_manifest,
+    encode_manifest,
+)
 from vault.errors import InvalidArgument
+from vault.hashcache import RACY, HashCache
 
 
 def sha256(data: bytes) -> str:
@@ -306,3 +316,92 @@ def test_thousands_of_small_files_go_in_batches_and_round_trip(
     vault_server.run("dataset", "checkout", digest, str(target)).ok()
     assert tree(target) == tree(source)
     assert add(vault_server, source)["digest"] == digest
+
+
+# -- the cache of file digests -----------------------------------------------------------------
+
+
+def settled_tree(root: Path) -> Path:
+    """A tree whose files were last changed longer ago than the cache's racy window."""
+    make_tree(root, "cached")
+    time.sleep(RACY + 0.2)
+    return root
+
+
+def counting_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    read: list[str] = []
+    real = dataset._read_file
+
+    def counted(root: Path, file: Any, *, keep: bool = False) -> Any:
+        read.append(file.name)
+        return real(root, file, keep=keep)
+
+    monkeypatch.setattr(dataset, "_read_file", counted)
+    return read
+
+
+def test_adding_an_unchanged_folder_again_reads_none_of_its_files(
+    vault_server: VaultServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = settled_tree(tmp_path / "source")
+    read = counting_reads(monkeypatch)
+    cache = HashCache(tmp_path / "cache" / "hashes.db")
+    with vault_server.client() as client:
+        first = add_dataset(client, source, cache=cache)
+        assert sorted(read) == sorted(tree(source))
+        read.clear()
+        second = add_dataset(client, source, cache=cache)
+    assert read == []
+    assert second.digest == first.digest and second.sent_files == 0
+
+    # A changed file is read again, though its size and modification time are as before:
+    # the change time gives it away.
+    part = source / "train" / "part-1.bin"
+    before = part.stat()
+    part.write_bytes(os.urandom(before.st_size))
+    os.utime(part, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert part.stat().st_mtime_ns == before.st_mtime_ns
+    with vault_server.client() as client:
+        third = add_dataset(client, source, cache=cache)
+    assert read == ["train/part-1.bin"]
+    assert third.digest != first.digest and third.sent_files == 1
+    changed = {f.path: f.sha256 for f in third.manifest.files}
+    assert changed["train/part-1.bin"] == sha256(part.read_bytes())
+    cache.close()
+
+
+def test_a_cached_file_the_vault_lacks_is_read_and_sent(
+    start_vault: StartVault, tmp_path: Path
+) -> None:
+    source = settled_tree(tmp_path / "source")
+    cache = HashCache(tmp_path / "hashes.db")
+    first, second = start_vault("first"), start_vault("second")
+    with first.client() as client:
+        added = add_dataset(client, source, cache=cache)
+    with second.client() as client:
+        again = add_dataset(client, source, cache=cache)
+    assert again.digest == added.digest
+    # Every file, though none was read to hash it: the vault had none of them.
+    assert again.sent_files == added.sent_files == len(added.manifest.files)
+    target = tmp_path / "checkout"
+    second.run("dataset", "checkout", again.digest, str(target)).ok()
+    assert tree(target) == tree(source)
+    cache.close()
+
+
+def test_a_damaged_cache_is_set_aside_and_the_add_goes_on(
+    vault_server: VaultServer, tmp_path: Path
+) -> None:
+    source = settled_tree(tmp_path / "source")
+    cache_home = tmp_path / "xdg-cache"
+    (cache_home / "pinvault").mkdir(parents=True)
+    (cache_home / "pinvault" / "file-hashes.db").write_bytes(b"not a database" * 100)
+    env = {"XDG_CACHE_HOME": str(cache_home)}
+    first = vault_server.run("dataset", "add", str(source), "--json", env=env).ok().json()
+    assert (cache_home / "pinvault" / "file-hashes.db.damaged").exists()
+    again = vault_server.run("dataset", "add", str(source), "--json", env=env).ok().json()
+    rehashed = (
+        vault_server.run("dataset", "add", str(source), "--json", "--rehash", env=env).ok().json()
+    )
+    assert first["digest"] == again["digest"] == rehashed["digest"]
+    assert again["sent_files"] == rehashed["sent_files"] == 0

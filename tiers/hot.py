@@ -431,7 +431,10 @@ class _Batch:
         self._staged: dict[Digest, tuple[int, ChunkList]] = {}
         # Folders of blobs found already stored: synced too, in case the put that linked them
         # has not synced them yet (it has not answered yet either), as this batch will answer.
-        self._folders: set[Path] = set()
+        # Paths are plain strings here: a batch handles thousands of blobs, and pathlib's
+        # objects cost more than the system calls they name.
+        self._folders: set[str] = set()
+        self._blobs = os.fspath(tier._blobs)
         self._sync_each = _syncfs is None
 
     def __enter__(self) -> _Batch:
@@ -448,12 +451,12 @@ class _Batch:
             except IntegrityError as refused:
                 self._results.append(refused)
                 return
-        blob = self._tier._blob_path(chunks.sha256)
-        if chunks.sha256 in self._staged or blob.exists():
-            self._folders.add(blob.parent)
+        name = chunks.sha256.hex
+        folder = os.path.join(self._blobs, name[:2])
+        if chunks.sha256 in self._staged or os.path.exists(os.path.join(folder, name)):
+            self._folders.add(folder)
             self._results.append((chunks.info, False))
             return
-        name = chunks.sha256.hex
         self._write(name, data)
         if chunks.count > 1:
             self._write(name + CHUNKS_SUFFIX, chunks.encode())
@@ -466,15 +469,16 @@ class _Batch:
         folders = self._folders
         for index, chunks in self._staged.values():
             name = chunks.sha256.hex
-            blob = self._tier._blob_path(chunks.sha256)
+            folder = os.path.join(self._blobs, name[:2])
+            blob = os.path.join(folder, name)
             if chunks.count > 1:
-                os.replace(name + CHUNKS_SUFFIX, _chunks_path(blob), src_dir_fd=self._fd)
+                os.replace(name + CHUNKS_SUFFIX, blob + CHUNKS_SUFFIX, src_dir_fd=self._fd)
             try:
                 os.link(name, blob, src_dir_fd=self._fd)
                 created = True
             except FileExistsError:
                 created = False  # a concurrent put of the same bytes got there first
-            folders.add(blob.parent)
+            folders.add(folder)
             self._results[index] = (chunks.info, created)
         if _syncfs is not None and self._staged:
             # One more syncfs makes every new name durable at once: cheaper than a sync of

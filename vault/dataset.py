@@ -10,6 +10,7 @@ import re
 import secrets
 import shutil
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from vault.digest import Digest
 from vault.entry import canonical_json, expect_fields, load_json_object
 from vault.errors import IntegrityError, InvalidArgument
 from vault.files import fsync_dir
+from vault.hashcache import HashCache
 
 MANIFEST_VERSION: Final = 1
 # Bounds every read of a manifest from the network; about two million files.
@@ -228,12 +230,16 @@ def scan_tree(root: Path) -> list[FileEntry]:
 
 @dataclass(frozen=True, slots=True)
 class _Listed:
-    """A file found by the walk: its manifest path, its path here, its size as listed. Plain
-    strings, not Path: pathlib's parsing costs more than hashing a small file."""
+    """A file found by the walk: its manifest path, its path here, what `stat` said of it.
+    Plain strings, not Path: pathlib's parsing costs more than hashing a small file."""
 
     name: str
     path: str
-    size: int
+    stat: os.stat_result
+
+    @property
+    def size(self) -> int:
+        return self.stat.st_size
 
 
 def _list_tree(root: Path) -> list[_Listed]:
@@ -261,7 +267,7 @@ def _list_tree(root: Path) -> list[_Listed]:
                         root, Path(child.path), "has a name that is not valid UTF-8"
                     ) from None
                 check_path(name)
-                files.append(_Listed(name, child.path, child.stat(follow_symlinks=False).st_size))
+                files.append(_Listed(name, child.path, child.stat(follow_symlinks=False)))
             else:
                 raise _tree_error(root, Path(child.path), "is neither a regular file nor a folder")
     return files
@@ -276,6 +282,20 @@ def _symlink_error(root: Path, path: Path) -> InvalidArgument:
     return _tree_error(
         root, path, f"is a symlink to {target!r}: a dataset holds no symlinks, copy the file in"
     )
+
+
+def _known_file(file: _Listed, sha256: str) -> FileEntry:
+    return FileEntry(file.name, file.size, file.stat.st_mode & 0o777, sha256)
+
+
+def _reread(root: Path, file: _Listed, known: FileEntry) -> bytes:
+    """The bytes of a small file whose digest came from the cache, for sending."""
+    entry, data = _read_file(root, file, keep=True)
+    if entry.sha256 != known.sha256 or data is None:
+        raise _tree_error(
+            root, Path(file.path), "changed while it was being added (or since it was hashed)"
+        )
+    return data
 
 
 def _read_file(root: Path, file: _Listed, *, keep: bool = False) -> tuple[FileEntry, bytes | None]:
@@ -315,14 +335,19 @@ class AddResult:
     pin: ProvenEntry
 
 
-def add_dataset(client: VaultClient, root: Path, *, name: str | None = None) -> AddResult:
+def add_dataset(
+    client: VaultClient, root: Path, *, name: str | None = None, cache: HashCache | None = None
+) -> AddResult:
     """Store the files of `root` the store lacks, then the manifest, and pin the manifest.
 
     Small files go in batches, each read once: hashed, looked up (FindMissing) and the missing
     ones sent (put_many) from the same bytes, several batches at a time, so that reading and
     hashing here overlap with the vault storing. Large files are hashed in the same pass and
-    streamed one by one after."""
+    sent one by one after. With a `cache` (vault/hashcache.py), a file unchanged since it was
+    last hashed is not read again unless the vault lacks it."""
     groups = _groups(_list_tree(root))
+    # The cache knows files by absolute path.
+    where = os.path.abspath(root) + os.sep
     lock = threading.Lock()
     # Digests some batch has taken on sending, so that a file's twin is not sent twice.
     claimed: set[str] = set()
@@ -336,17 +361,33 @@ def add_dataset(client: VaultClient, root: Path, *, name: str | None = None) -> 
             return True
 
     def process(group: list[_Listed]) -> tuple[list[FileEntry], int, int]:
-        read = [_read_file(root, file, keep=file.size <= SMALL_FILE) for file in group]
+        began = time.time()
+        keys = [where + file.name for file in group]
+        known = (
+            cache.lookup([(k, f.stat) for k, f in zip(keys, group, strict=True)]) if cache else {}
+        )
+        read = [
+            (_known_file(file, known[key]), None)
+            if key in known
+            else _read_file(root, file, keep=file.size <= SMALL_FILE)
+            for key, file in zip(keys, group, strict=True)
+        ]
         entries = [entry for entry, _ in read]
         lacking = set(client.find_missing(list({entry.sha256 for entry in entries})))
         batch: dict[str, bytes] = {}
-        for entry, data in read:
+        for file, (entry, data) in zip(group, read, strict=True):
             if claim(lacking, entry.sha256):
-                if data is None:
+                if entry.size > SMALL_FILE:
                     with lock:
                         large.append(entry)
                 else:
-                    batch[entry.sha256] = data
+                    batch[entry.sha256] = data if data is not None else _reread(root, file, entry)
+        if cache:
+            cache.record(
+                (key, file.stat, entry.sha256, began)
+                for key, file, entry in zip(keys, group, entries, strict=True)
+                if key not in known
+            )
         if batch:
             # `expected` makes the vault refuse bytes that are not what was hashed.
             client.put_many(list(batch.values()), expected=list(batch))

@@ -5,7 +5,6 @@ synced)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 
 def write_all(fd: int, data: bytes | memoryview) -> None:
@@ -22,7 +21,7 @@ def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         written += os.pwrite(fd, view[written:], offset + written)
 
 
-def fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: str | os.PathLike[str]) -> None:
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

@@ -40,11 +40,13 @@ def command_env(
     *, state_home: Path | None = None, extra: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """The environment of a `vault` process: the caller's, minus anything that could point it
-    at a real vault, plus `extra`. XDG_STATE_HOME keeps the client's trust state in the test."""
+    at a real vault, plus `extra`. XDG_STATE_HOME keeps the client's trust state in the test,
+    and XDG_CACHE_HOME (below it) the cache of file digests."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_PRIVATE_PREFIXES)}
     env["PYTHONUNBUFFERED"] = "1"
     if state_home is not None:
         env["XDG_STATE_HOME"] = str(state_home)
+        env["XDG_CACHE_HOME"] = str(state_home / "cache")
     env.update(extra or {})
     return env
 
