@@ -14,7 +14,7 @@ from sqlalchemy import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from cli.mirror import mirrors_configured, open_replicating_store
-from cli.tier import open_tiered_store, start_tier_workers, warm_configured
+from cli.tier import open_tiered_store, scrub_runner, start_tier_workers, warm_configured
 from tiers.hot import HotTier
 from vault.admission import AdmissionPolicy, Admitter
 from vault.auth import MODES, Gate
@@ -25,7 +25,7 @@ from vault.db import Database, open_database
 from vault.errors import InvalidArgument, Unavailable
 from vault.handoff import Desk
 from vault.ledger import Ledger
-from vault.service import build_server
+from vault.service import ScrubRunner, build_server
 from vault.storage import BlobStore, Closing
 from vault.tokens import TokenStore
 
@@ -155,8 +155,9 @@ def serve(config: Config, listen: str | None = None) -> int:
     )
     tokens = TokenStore(db) if config.auth.mode != "local" else None
     desk = open_desk(config)
+    scrub = scrub_runner(store)
     try:
-        asyncio.run(_serve(config, ledger, content, admitter, listen, tokens, tls, desk))
+        asyncio.run(_serve(config, ledger, content, admitter, listen, tokens, tls, desk, scrub))
     finally:
         if desk is not None:
             desk.close()
@@ -182,6 +183,7 @@ async def _serve(
     tokens: TokenStore | None,
     tls: grpc.ServerCredentials | None,
     desk: Desk | None,
+    scrub: ScrubRunner | None,
 ) -> None:
     loop = asyncio.get_running_loop()
     # Blocking work (disk, hashing, PostgreSQL) runs on these threads, off the event loop.
@@ -197,6 +199,7 @@ async def _serve(
         tokens=tokens,
         tls=tls,
         desk=desk,
+        scrub=scrub,
     )
     await server.start()
     engine = ledger.db.read.dialect.name

@@ -5,15 +5,18 @@ and the background scrubber into `vault serve`."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
+import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from vault.config import Config
-from vault.errors import IntegrityError
+from vault.errors import IntegrityError, Unavailable
 from vault.storage import BlobStore
 
 # The tier modules load only when a tier command or a server with tiers needs them: every
@@ -24,8 +27,13 @@ if TYPE_CHECKING:
     from tiers.migrate import Migrator, MirrorCopies
     from vault.db import Database
     from vault.digest import Digest
+    from vault.service import ScrubRunner
 
 TIER_JOURNAL = "tiers.db"
+
+
+class HeldByServer(Unavailable):
+    """The warm tier is open in a running `vault serve`, which owns it."""
 
 
 class Worker(Protocol):
@@ -71,6 +79,24 @@ def open_tiered_store(config: Config, hot: HotTier) -> BlobStore:
         promote=promote,
         owned=[warm],
     )
+
+
+def scrub_runner(store: BlobStore) -> ScrubRunner | None:
+    """What Store.Scrub runs in `vault serve`: every copy on every tier checked now, as
+    `vault scrub` does on a stopped vault; None when the store has no tiers to manage."""
+    from tiers.scrub import Scrubber
+
+    manager = manager_of(store)
+    if manager is None:
+        return None
+
+    def run(
+        rate: float | None, progress: Callable[[int, int], None], stop: threading.Event
+    ) -> dict[str, int]:
+        stats = Scrubber(manager, rate=rate).scrub_all(progress=progress, stop=stop)
+        return dataclasses.asdict(stats)
+
+    return run
 
 
 def manager_of(store: BlobStore) -> TierManager | None:
@@ -182,7 +208,6 @@ class _Tiers:
         from tiers.hot import HotTier
         from tiers.manager import TierManager
         from tiers.warm import WarmTier
-        from vault.errors import Unavailable
 
         config.data_path.mkdir(parents=True, exist_ok=True)
         self.closers: list[Callable[[], None]] = []
@@ -192,7 +217,7 @@ class _Tiers:
                 warm = WarmTier(warm_path(config))
             except Unavailable as error:
                 if need_warm:
-                    raise Unavailable(
+                    raise HeldByServer(
                         f"{error}: a running `vault serve` migrates and scrubs by itself; "
                         "stop it to run this command"
                     ) from None
@@ -339,7 +364,10 @@ def _scrub(args: argparse.Namespace, config: Config) -> int:
     from cli.progress import Progress
     from tiers.scrub import Scrubber
 
-    opened = _Tiers(config, need_warm=True, mirrors=True)
+    try:
+        opened = _Tiers(config, need_warm=True, mirrors=True)
+    except HeldByServer:
+        return _scrub_through_server(args, config)
     try:
         bar = Progress("scrub", None)
         scrubber = Scrubber(opened.manager, rate=args.rate * 1e6 if args.rate > 0 else None)
@@ -347,21 +375,44 @@ def _scrub(args: argparse.Namespace, config: Config) -> int:
         bar.close()
     finally:
         opened.close()
+    return _report_scrub(args, dataclasses.asdict(stats))
+
+
+def _scrub_through_server(args: argparse.Namespace, config: Config) -> int:
+    """The tiers are held by a running `vault serve`: it scrubs them (Store.Scrub)."""
+    from cli.progress import Progress
+    from vault.config import open_client
+
+    print(
+        f"the tiers are held by a running vault serve: scrubbing through it "
+        f"({config.client.server})",
+        file=sys.stderr,
+    )
+    totals: dict[str, int] | None = None
+    bar = Progress("scrub", None)
+    with open_client(config) as client:
+        for update in client.scrub(rate_mb_s=max(args.rate, 0.0)):
+            if update.finished:
+                totals = {
+                    name: getattr(update, name)
+                    for name in ("copies", "bytes", "faults", "repaired", "unrepairable")
+                }
+            else:
+                bar.set(update.done_bytes, update.total_bytes)
+    bar.close()
+    if totals is None:
+        raise Unavailable("the vault's scrub ended without its totals")
+    return _report_scrub(args, totals)
+
+
+def _report_scrub(args: argparse.Namespace, stats: dict[str, int]) -> int:
     if args.json:
-        _print_json(
-            {
-                "copies": stats.copies,
-                "bytes": stats.bytes,
-                "faults": stats.faults,
-                "repaired": stats.repaired,
-                "unrepairable": stats.unrepairable,
-            }
-        )
+        _print_json(stats)
     else:
         print(
-            f"{stats.copies} copies checked ({stats.bytes} bytes): {stats.faults} faults, "
-            f"{stats.repaired} repaired, {stats.unrepairable} unrepairable"
+            f"{stats['copies']} copies checked ({stats['bytes']} bytes): {stats['faults']} "
+            f"faults, {stats['repaired']} repaired, {stats['unrepairable']} unrepairable"
         )
-    if stats.unrepairable:
-        raise IntegrityError(f"{stats.unrepairable} copies have no good copy anywhere")
+    if stats["unrepairable"]:
+        raise IntegrityError(f"{stats['unrepairable']} copies have no good copy anywhere")
     return 0

@@ -31,7 +31,7 @@ from vault import config as config_module
 from vault.config import PolicyConfig
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound
-from vault.storage import get_bytes, put_bytes
+from vault.storage import CHUNK_SIZE, get_bytes, put_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 LATER = 40 * DAY
@@ -318,3 +318,51 @@ def test_verify_blobs_reports_each_copy_and_the_repairs_recorded(
     assert "blobs: 1 pinned blobs checked, 0 failed" in shown
     assert f"blob {digest}: 2 copies" in shown and "; 1 repair recorded" in shown
     assert server.run("get", digest).ok().output == data
+
+
+def test_vault_scrub_while_the_server_holds_the_tiers_scrubs_through_it(
+    start_vault: StartVault, tmp_path: Path
+) -> None:
+    server = start_vault(
+        env={
+            "PINVAULT_STORE_WARM_DIR": str(tmp_path / "warm-tier"),
+            "PINVAULT_POLICY_WARM_AFTER_UNREAD_DAYS": str(1 / DAY),
+            "PINVAULT_POLICY_MIN_COPIES": "2",
+            "PINVAULT_POLICY_MIGRATE_INTERVAL": "0.2",
+            # No background scrubber: only the one asked for finds the damage.
+            "PINVAULT_POLICY_SCRUB_WINDOW_DAYS": "0",
+        }
+    )
+    data = content(LARGE, seed=11)
+    (tmp_path / "model.bin").write_bytes(data)
+    digest = server.run("put", str(tmp_path / "model.bin")).ok().stdout.split()[0]
+    server.run("pin", "artefact", digest).ok()
+    deadline = time.monotonic() + 60
+    while f"blob {digest}: 2 copies" not in server.run("verify", "--blobs").ok().stdout:
+        assert time.monotonic() < deadline, "the blob never reached the warm tier"
+        time.sleep(0.3)
+
+    hex_ = digest.partition(":")[2]
+    copy = server.data_dir / "hot" / "blobs" / hex_[:2] / hex_
+    copy.chmod(0o644)
+    damaged = bytearray(copy.read_bytes())
+    damaged[CHUNK_SIZE + 5] ^= 0x01
+    copy.write_bytes(damaged)
+
+    # As an operator on the vault's host runs it, with the server's own configuration.
+    host = {
+        "PINVAULT_DATA_DIR": str(server.data_dir),
+        "PINVAULT_STORE_WARM_DIR": str(tmp_path / "warm-tier"),
+    }
+    scrub = server.run("scrub", "--json", env=host)
+    assert scrub.returncode == 0, scrub.describe()
+    assert "scrubbing through it" in scrub.stderr
+    totals = scrub.json()
+    assert (totals["copies"], totals["faults"], totals["repaired"]) == (2, 1, 1), totals
+    assert totals["bytes"] == 2 * len(data)
+    assert copy.read_bytes() == data
+    again = server.run("scrub", "--json", env=host).ok().json()
+    assert (again["faults"], again["repaired"], again["unrepairable"]) == (0, 0, 0), again
+    # Migration still needs the tiers to itself.
+    refused = server.run("tier", "migrate", env=host)
+    assert refused.returncode != 0 and "stop it to run this command" in refused.stderr

@@ -55,6 +55,16 @@ def pin(kind: str = "image", subjects: tuple[str, ...] = (STORED_SHA256,), **fie
 
 # Each call, the status it must end with, and what its message must name.
 FAILURES: dict[str, tuple[Callable[[Any, Any], Any], grpc.StatusCode, str]] = {
+    "scrub a vault of one tier": (
+        lambda s, _: list(s.Scrub(pb.ScrubRequest())),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "`vault verify --blobs` re-hashes every pinned blob",
+    ),
+    "put a handed-off file with a ticket never given": (
+        lambda s, _: s.Put(iter([pb.PutRequest(header=pb.PutHeader(handoff="f" * 32))])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "unknown or expired handoff ticket",
+    ),
     "get an unknown blob": (
         lambda s, _: list(s.Get(pb.GetRequest(digest=ABSENT))),
         grpc.StatusCode.NOT_FOUND,

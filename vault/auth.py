@@ -34,6 +34,7 @@ PERMISSIONS: Final[Mapping[str, str]] = {
     "Store.VerifyBlobs": "audit",
     "Store.PutBatch": "write",
     "Store.Handoff": "read",
+    "Store.Scrub": "admin",
     "Ledger.Pin": "write",
     "Ledger.PinBatch": "write",
     "Ledger.Lookup": "read",

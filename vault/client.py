@@ -685,6 +685,12 @@ class VaultClient:
         with _rpc():
             return list(self.store.FindMissing(pb.FindMissingRequest(digests=digests)).missing)
 
+    def scrub(self, *, rate_mb_s: float = 0.0) -> Iterator[pb.ScrubProgress]:
+        """Have the vault re-verify every copy on every tier now, repairing bad ones
+        (Store.Scrub): its progress, then its totals, in a message marked `finished`."""
+        with _rpc():
+            yield from self.store.Scrub(pb.ScrubRequest(rate_mb_s=rate_mb_s))
+
     def verify_blobs(self) -> Iterator[pb.VerifyBlobsProgress]:
         with _rpc():
             yield from self.store.VerifyBlobs(pb.VerifyBlobsRequest())

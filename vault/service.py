@@ -10,6 +10,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, Final, NoReturn, TypeVar
 
@@ -269,13 +270,29 @@ def _checkpoint(signed: SignedCheckpoint) -> pb.Checkpoint:
     return pb.Checkpoint(note=signed.note)
 
 
+# What Store.Scrub runs, as `vault serve` composes it (tiers/scrub.py): every copy on every tier
+# checked now, told a rate in bytes per second (None: no limit), a progress callback (bytes
+# checked, total bytes) and an event set when the caller has gone; returns the totals.
+ScrubRunner = Callable[[float | None, Callable[[int, int], None], threading.Event], dict[str, int]]
+_SCRUB_TOTALS: Final = ("copies", "bytes", "faults", "repaired", "unrepairable")
+_PROGRESS_EVERY: Final = 0.2
+
+
 class StoreService(_Service, rpc.StoreServicer):
     rpc_service = "Store"
 
-    def __init__(self, content: Content, ledger: Ledger, desk: Desk | None = None) -> None:
+    def __init__(
+        self,
+        content: Content,
+        ledger: Ledger,
+        desk: Desk | None = None,
+        scrub: ScrubRunner | None = None,
+    ) -> None:
         self.content = content
         self.ledger = ledger
         self.desk = desk
+        self.scrub = scrub
+        self._scrubbing = threading.Lock()
         self.inline = content.db.is_sqlite
 
     def _claim(self, ticket: str, mode: Mode) -> int:
@@ -420,6 +437,62 @@ class StoreService(_Service, rpc.StoreServicer):
             )
         if not pinned:
             yield pb.VerifyBlobsProgress(checked=0, total=0)
+
+    @streaming
+    def Scrub(self, request: pb.ScrubRequest, context: Any) -> Iterator[pb.ScrubProgress]:
+        if self.scrub is None:
+            raise FailedPrecondition(
+                "this vault keeps one tier, which every read checks: `vault verify --blobs` "
+                "re-hashes every pinned blob"
+            )
+        if request.rate_mb_s < 0:
+            raise InvalidArgument(f"scrub rate {request.rate_mb_s} MB/s is negative")
+        if not self._scrubbing.acquire(blocking=False):
+            raise FailedPrecondition("a scrub is already running on this vault: wait for it")
+        try:
+            yield from self._scrub(self.scrub, request.rate_mb_s * 1e6 or None)
+        finally:
+            self._scrubbing.release()
+
+    def _scrub(self, scrub: ScrubRunner, rate: float | None) -> Iterator[pb.ScrubProgress]:
+        """Runs the scrub on a thread of its own and relays its progress, a message every
+        _PROGRESS_EVERY seconds at most; a caller gone away stops it."""
+        updates: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        stop = threading.Event()
+        outcome: list[dict[str, int] | BaseException] = []
+        sent = 0.0
+
+        def progress(done: int, total: int) -> None:
+            nonlocal sent
+            if time.monotonic() - sent >= _PROGRESS_EVERY:
+                sent = time.monotonic()
+                updates.put((done, total))
+
+        def run() -> None:
+            try:
+                outcome.append(scrub(rate, progress, stop))
+            except BaseException as exc:  # raised to the caller below
+                outcome.append(exc)
+            finally:
+                updates.put(None)
+
+        worker = threading.Thread(target=run, name="pinvault-scrub", daemon=True)
+        worker.start()
+        try:
+            while (update := updates.get()) is not None:
+                yield pb.ScrubProgress(done_bytes=update[0], total_bytes=update[1])
+            worker.join()
+        finally:
+            stop.set()
+        (result,) = outcome
+        if isinstance(result, BaseException):
+            raise result
+        yield pb.ScrubProgress(
+            finished=True,
+            done_bytes=result["bytes"],
+            total_bytes=result["bytes"],
+            **{name: result[name] for name in _SCRUB_TOTALS},
+        )
 
     # A batch bounds what it stages before its one sync, and its answer; one blob must fit in
     # one message. Larger blobs go by Put.
@@ -795,16 +868,17 @@ async def build_server(
     tokens: TokenStore | None = None,
     tls: grpc.ServerCredentials | None = None,
     desk: Desk | None = None,
+    scrub: ScrubRunner | None = None,
 ) -> tuple[grpc.aio.Server, str]:
     """An asyncio gRPC server with the vault's services, health and reflection; returns it and
         where it listens (the real port when `listen` asked for port 0); `await server.start()`
         next. Without `gate`, local mode: no credential is asked for; with `tokens`, administrators
         manage them over the Tokens service; with `desk`, clients on this host may hand files over
-    (vault/handoff.py)."""
+    (vault/handoff.py); with `scrub`, Store.Scrub checks every tier on demand."""
     gate = gate or Gate()
     server = grpc.aio.server(options=SERVER_OPTIONS)
     ledger_service = LedgerService(ledger, content)
-    servicers: list[_Service] = [StoreService(content, ledger, desk), ledger_service]
+    servicers: list[_Service] = [StoreService(content, ledger, desk, scrub), ledger_service]
     if admitter is not None:
         servicers.append(AdmissionService(admitter, ledger_service))
     if tokens is not None:

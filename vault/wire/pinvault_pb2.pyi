@@ -21,6 +21,67 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class ScrubRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RATE_MB_S_FIELD_NUMBER: _builtins.int
+    rate_mb_s: _builtins.float
+    """MB/s at most; 0: as fast as the copies can be read."""
+    def __init__(
+        self,
+        *,
+        rate_mb_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rate_mb_s", b"rate_mb_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScrubRequest: _TypeAlias = ScrubRequest  # noqa: Y015
+
+@_typing.final
+class ScrubProgress(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DONE_BYTES_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    FINISHED_FIELD_NUMBER: _builtins.int
+    COPIES_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    FAULTS_FIELD_NUMBER: _builtins.int
+    REPAIRED_FIELD_NUMBER: _builtins.int
+    UNREPAIRABLE_FIELD_NUMBER: _builtins.int
+    done_bytes: _builtins.int
+    total_bytes: _builtins.int
+    finished: _builtins.bool
+    """The last message: the totals below are final."""
+    copies: _builtins.int
+    bytes: _builtins.int
+    faults: _builtins.int
+    repaired: _builtins.int
+    unrepairable: _builtins.int
+    def __init__(
+        self,
+        *,
+        done_bytes: _builtins.int = ...,
+        total_bytes: _builtins.int = ...,
+        finished: _builtins.bool = ...,
+        copies: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+        faults: _builtins.int = ...,
+        repaired: _builtins.int = ...,
+        unrepairable: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "copies", b"copies", "done_bytes", b"done_bytes", "faults", b"faults", "finished", b"finished", "repaired", b"repaired", "total_bytes", b"total_bytes", "unrepairable", b"unrepairable"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScrubProgress: _TypeAlias = ScrubProgress  # noqa: Y015
+
+@_typing.final
 class HandoffRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

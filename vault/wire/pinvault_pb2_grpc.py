@@ -71,6 +71,11 @@ class StoreStub:
                 request_serializer=vault_dot_wire_dot_pinvault__pb2.HandoffRequest.SerializeToString,
                 response_deserializer=vault_dot_wire_dot_pinvault__pb2.HandoffInfo.FromString,
                 _registered_method=True)
+        self.Scrub = channel.unary_stream(
+                '/pinvault.v1.Store/Scrub',
+                request_serializer=vault_dot_wire_dot_pinvault__pb2.ScrubRequest.SerializeToString,
+                response_deserializer=vault_dot_wire_dot_pinvault__pb2.ScrubProgress.FromString,
+                _registered_method=True)
 
 
 class StoreServicer:
@@ -129,6 +134,14 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scrub(self, request, context):
+        """Re-verifies every copy on every tier now, repairing bad ones from good ones, as the
+        background scrubber does over its window; streams progress, then the totals.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +179,11 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.Handoff,
                     request_deserializer=vault_dot_wire_dot_pinvault__pb2.HandoffRequest.FromString,
                     response_serializer=vault_dot_wire_dot_pinvault__pb2.HandoffInfo.SerializeToString,
+            ),
+            'Scrub': grpc.unary_stream_rpc_method_handler(
+                    servicer.Scrub,
+                    request_deserializer=vault_dot_wire_dot_pinvault__pb2.ScrubRequest.FromString,
+                    response_serializer=vault_dot_wire_dot_pinvault__pb2.ScrubProgress.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -359,6 +377,33 @@ class Store:
             '/pinvault.v1.Store/Handoff',
             vault_dot_wire_dot_pinvault__pb2.HandoffRequest.SerializeToString,
             vault_dot_wire_dot_pinvault__pb2.HandoffInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scrub(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pinvault.v1.Store/Scrub',
+            vault_dot_wire_dot_pinvault__pb2.ScrubRequest.SerializeToString,
+            vault_dot_wire_dot_pinvault__pb2.ScrubProgress.FromString,
             options,
             channel_credentials,
             insecure,

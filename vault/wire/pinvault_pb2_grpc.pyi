@@ -53,6 +53,10 @@ class StoreStub:
     Get that names a ticket from that socket reads or writes the caller's own open file
     instead of carrying the bytes in messages.
     """
+    Scrub: _grpc.UnaryStreamMultiCallable[_pinvault_pb2.ScrubRequest, _pinvault_pb2.ScrubProgress]
+    """Re-verifies every copy on every tier now, repairing bad ones from good ones, as the
+    background scrubber does over its window; streams progress, then the totals.
+    """
 
 @_typing.type_check_only
 class StoreAsyncStub(StoreStub):
@@ -76,6 +80,10 @@ class StoreAsyncStub(StoreStub):
     """Where a client on this host hands files to the server (see vault/handoff.py): a Put or
     Get that names a ticket from that socket reads or writes the caller's own open file
     instead of carrying the bytes in messages.
+    """
+    Scrub: _aio.UnaryStreamMultiCallable[_pinvault_pb2.ScrubRequest, _pinvault_pb2.ScrubProgress]  # type: ignore[assignment]
+    """Re-verifies every copy on every tier now, repairing bad ones from good ones, as the
+    background scrubber does over its window; streams progress, then the totals.
     """
 
 class StoreServicer(metaclass=_abc_1.ABCMeta):
@@ -139,6 +147,16 @@ class StoreServicer(metaclass=_abc_1.ABCMeta):
         """Where a client on this host hands files to the server (see vault/handoff.py): a Put or
         Get that names a ticket from that socket reads or writes the caller's own open file
         instead of carrying the bytes in messages.
+        """
+
+    @_abc_1.abstractmethod
+    def Scrub(
+        self,
+        request: _pinvault_pb2.ScrubRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_pinvault_pb2.ScrubProgress], _abc.AsyncIterator[_pinvault_pb2.ScrubProgress]]:
+        """Re-verifies every copy on every tier now, repairing bad ones from good ones, as the
+        background scrubber does over its window; streams progress, then the totals.
         """
 
 def add_StoreServicer_to_server(servicer: StoreServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
