@@ -368,3 +368,29 @@ def test_no_corrupt_byte_is_served_across_random_single_bit_faults(
     for sha256, data in blobs.items():
         assert get_bytes(hot, sha256) == data
         assert get_bytes(warm, sha256) == data
+
+
+def test_a_hot_chunk_list_rebuilt_from_sound_bytes_is_journaled_as_a_repair(
+    manager: TierManager, hot: HotTier
+) -> None:
+    data = content(LARGE, seed=21)
+    sha256 = put_bytes(manager, data).sha256
+    chunks = blob_file(hot, sha256).with_suffix(".chunks")
+    chunks.chmod(0o644)
+    listed = bytearray(chunks.read_bytes())
+    listed[100] ^= 0x01
+    chunks.write_bytes(listed)
+
+    assert get_bytes(manager, sha256) == data
+    (damaged,) = manager.journal.records(sha256)
+    assert (damaged.tier, damaged.found) == ("hot", "chunk list damaged")
+    assert damaged.action == "chunk list rebuilt from the bytes, which match the digest"
+
+    chunks.unlink()
+    assert get_bytes(manager, sha256) == data
+    assert [r.found for r in manager.journal.records(sha256)] == [
+        "chunk list damaged",
+        "chunk list lost",
+    ]
+    assert chunks.exists()
+    assert (manager.stats.faults, manager.stats.repaired) == (2, 2)

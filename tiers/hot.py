@@ -8,6 +8,7 @@ import ctypes
 import errno
 import fcntl
 import hashlib
+import logging
 import mmap
 import os
 import queue
@@ -37,6 +38,8 @@ from vault.storage import (
     check_expected,
     require_sha256,
 )
+
+log = logging.getLogger("pinvault.tiers")
 
 CHUNKS_SUFFIX: Final = ".chunks"
 # A batched put stages its files in a folder of tmp/ with this suffix.
@@ -105,6 +108,9 @@ class HotTier(BatchPut):
             fsync_dir(self.root.parent)
         self._remove_leftovers()
         self.direct_io = self._probe_direct_io() if direct_io is None else direct_io
+        # Told of each chunk list rebuilt from its blob's bytes (the list lost or damaged, the
+        # bytes sound): the tier manager journals it as a repair.
+        self.rebuilt: Callable[[Digest, str], None] | None = None
 
     def __repr__(self) -> str:
         return f"HotTier({str(self.root)!r})"
@@ -172,6 +178,9 @@ class HotTier(BatchPut):
         # A one-chunk blob may have none at all (see _Batch).
         if stored != found and (stored is not None or found.count > 1):
             self._write_chunk_list(blob, found)
+            self._note_rebuilt(
+                sha256, "chunk list lost" if stored is None else "chunk list disagreed with bytes"
+            )
         return found.info
 
     def digests(self) -> Iterator[Digest]:
@@ -209,7 +218,13 @@ class HotTier(BatchPut):
         # hashing its bytes (as reading it does anyway) gives back.
         if not missing or chunks.count > 1:
             self._write_chunk_list(blob, chunks)
+            self._note_rebuilt(sha256, "chunk list lost" if missing else "chunk list damaged")
         return chunks
+
+    def _note_rebuilt(self, sha256: Digest, found: str) -> None:
+        log.warning("hot tier: %s of %s rebuilt from its bytes", found, sha256)
+        if self.rebuilt is not None:
+            self.rebuilt(sha256, found)
 
     def _hash_stored_copy(self, sha256: Digest, blob: Path) -> ChunkList:
         hasher = BlobHasher()

@@ -4,6 +4,7 @@ serves a read on from a good copy when one is damaged, rewrites the damaged copy
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import sqlite3
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from tiers.hot import HotTier
 from vault.digest import Digest
 from vault.errors import IntegrityError, InvalidArgument, NotFound, Unavailable, VaultError
 from vault.storage import (
@@ -316,6 +318,9 @@ class TierManager(Closing):
         self.names = names
         self.tiers = [tier for _, tier in tiers]
         self.journal = Journal(journal)
+        for name, tier in tiers:
+            if isinstance(tier, HotTier):
+                tier.rebuilt = functools.partial(self._chunk_list_rebuilt, name)
         self.stats = RepairStats()
         self._stats_lock = threading.Lock()
         # Two reads finding the same damage must not both delete and rewrite the copy; the
@@ -694,6 +699,12 @@ class TierManager(Closing):
             self._count(repaired=1)
             repaired += 1
         return repaired
+
+    def _chunk_list_rebuilt(self, name: str, sha256: Digest, found: str) -> None:
+        self.journal.record(
+            sha256, name, None, found, "chunk list rebuilt from the bytes, which match the digest"
+        )
+        self._count(faults=1, repaired=1)
 
     def _record_loss(self, sha256: Digest, faults: list[_Fault]) -> None:
         for fault in faults:
