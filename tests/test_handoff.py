@@ -233,8 +233,8 @@ def test_a_ticket_serves_one_call_of_its_own_kind(
     with grpc.insecure_channel(vault_server.address) as channel:
         store = rpc.StoreStub(channel)
 
-        def put(ticket: str, *more: pb.PutRequest) -> pb.PutResponse:
-            header = pb.PutRequest(header=pb.PutHeader(handoff=ticket))
+        def put(ticket: str, *more: pb.PutRequest, size: int = len(data)) -> pb.PutResponse:
+            header = pb.PutRequest(header=pb.PutHeader(handoff=ticket, handoff_size=size))
             response: pb.PutResponse = store.Put(iter([header, *more]))
             return response
 
@@ -256,6 +256,17 @@ def test_a_ticket_serves_one_call_of_its_own_kind(
             put(ticket, pb.PutRequest(data=b"extra"))
         assert mixed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "carries no bytes of its own" in (mixed.value.details() or "")
+
+        # The server stores what the client hashed: the first `handoff_size` bytes, even if
+        # the file has grown since; a file shorter than that is refused.
+        first_half = put(park_file(info, source), size=500)
+        assert first_half.blob.sha256 == "sha256:" + hashlib.sha256(data[:500]).hexdigest()
+        with pytest.raises(grpc.RpcError) as short:
+            put(park_file(info, source), size=len(data) + 1)
+        assert short.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"ends at byte {len(data)}, before the {len(data) + 1} bytes" in (
+            short.value.details() or ""
+        )
 
 
 def test_a_handed_off_put_needs_the_write_permission(

@@ -491,7 +491,9 @@ class VaultClient:
             # What the client sends is its file: hash it while the server reads it too.
             local = _FileHash(fd, size)
             try:
-                header = pb.PutHeader(expected_digest=expected or "", handoff=ticket)
+                header = pb.PutHeader(
+                    expected_digest=expected or "", handoff=ticket, handoff_size=size
+                )
                 with _rpc():
                     response = self.store.Put(
                         iter([pb.PutRequest(header=header)]), timeout=self.timeout

@@ -48,7 +48,10 @@ SOCKET_PATH_MAX: Final = 107
 _GERUND: Final[dict[Mode, str]] = {"read": "reading", "write": "writing"}
 _READ_PIECE: Final = 4 * 1024 * 1024
 _ANSWER_MAX: Final = 1024
-_TIMEOUT: Final = 5.0
+# One connection is served at a time, and a client sends at once: one that does not holds the
+# socket up at most this long.
+_SEND_WITHIN: Final = 1.0
+_ANSWER_WITHIN: Final = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +122,7 @@ class Desk:
                 return  # closed
             with connection:
                 try:
-                    connection.settimeout(_TIMEOUT)
+                    connection.settimeout(_SEND_WITHIN)
                     answer = self._take(connection)
                 except OSError as exc:
                     log.info("a handoff connection failed: %s", exc)
@@ -182,7 +185,7 @@ def hand_off(socket_path: str, instance: str, fd: int, mode: Mode) -> str:
     Raises OSError when the socket cannot be reached or answers for another server, or
     refuses the file (the caller then streams instead)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-        connection.settimeout(_TIMEOUT)
+        connection.settimeout(_ANSWER_WITHIN)
         with _address(socket_path) as address:
             connection.connect(address)
         socket.send_fds(connection, [mode.encode()], [fd])
@@ -218,18 +221,16 @@ def _address(path: str) -> Iterator[str]:
         os.close(fd)
 
 
-def read_handed_off(fd: int) -> Iterator[bytes]:
-    """The bytes of a file handed off for a put, up to its size when the put began; closes
-    `fd` when done. A file cut short meanwhile is an error, not a shorter blob."""
+def read_handed_off(fd: int, size: int) -> Iterator[bytes]:
+    """The first `size` bytes of a file handed off for a put; closes `fd` when done. A file
+    shorter than that is an error, not a shorter blob."""
     try:
-        size = os.fstat(fd).st_size
         offset = 0
         while offset < size:
             piece = os.pread(fd, min(_READ_PIECE, size - offset), offset)
             if not piece:
                 raise InvalidArgument(
-                    f"the handed-off file shrank during the put: it ended at byte {offset} "
-                    f"of {size}"
+                    f"the handed-off file ends at byte {offset}, before the {size} bytes to put"
                 )
             offset += len(piece)
             yield piece

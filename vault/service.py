@@ -320,7 +320,7 @@ class StoreService(_Service, rpc.StoreServicer):
             if first.header.expected_digest:
                 expected = Digest.parse(first.header.expected_digest)
             if first.header.handoff:
-                return self._put_handed_off(first.header.handoff, expected, receive)
+                return self._put_handed_off(first.header, expected, receive)
         else:
             leading.append(first.data)
 
@@ -335,15 +335,15 @@ class StoreService(_Service, rpc.StoreServicer):
 
     def _put_handed_off(
         self,
-        ticket: str,
+        header: pb.PutHeader,
         expected: Digest | None,
         receive: Callable[[], pb.PutRequest | None],
     ) -> tuple[StoredBlob, bool]:
-        fd = self._claim(ticket, "read")
+        fd = self._claim(header.handoff, "read")
         if receive() is not None:
             os.close(fd)
             raise InvalidArgument("a put of a handed-off file carries no bytes of its own")
-        return self.content.put(read_handed_off(fd), expected)
+        return self.content.put(read_handed_off(fd, header.handoff_size), expected)
 
     # A blob this small is read whole in one trip to a worker thread and sent at once: the
     # round trips between the loop and a streaming producer would cost more than its bytes.

@@ -128,21 +128,24 @@ class PutHeader(_message.Message):
 
     EXPECTED_DIGEST_FIELD_NUMBER: _builtins.int
     HANDOFF_FIELD_NUMBER: _builtins.int
+    HANDOFF_SIZE_FIELD_NUMBER: _builtins.int
     expected_digest: _builtins.str
     """Optional: refuse (and store nothing) unless the bytes hash to this digest."""
     handoff: _builtins.str
-    """A ticket for a file handed off for reading: the server stores that file's bytes, and the
-    call carries no data messages.
+    """A ticket for a file handed off for reading: the server stores that file's first
+    `handoff_size` bytes (those the client hashed), and the call carries no data messages.
     """
+    handoff_size: _builtins.int
     def __init__(
         self,
         *,
         expected_digest: _builtins.str = ...,
         handoff: _builtins.str = ...,
+        handoff_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_digest", b"expected_digest", "handoff", b"handoff"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_digest", b"expected_digest", "handoff", b"handoff", "handoff_size", b"handoff_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
