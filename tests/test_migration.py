@@ -14,13 +14,14 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
 from cli.tier import add_tier_commands
 from tests.conftest import StartVault
+from tests.services.vault_server import VaultServer
 from tests.tier_contract import LARGE, content
 from tiers.hot import HotTier
 from tiers.manager import TierManager
@@ -279,9 +280,29 @@ def test_vault_serve_with_a_warm_tier_stores_reads_and_stops_cleanly(
     assert (server.data_dir / "tiers.db").exists()
 
 
-def test_verify_blobs_reports_each_copy_and_the_repairs_recorded(
-    start_vault: StartVault, tmp_path: Path
-) -> None:
+@dataclass
+class TwoCopies:
+    """A served vault with a warm tier holding one pinned blob on hot and warm."""
+
+    server: VaultServer
+    digest: str
+    data: bytes
+    shown: str  # what `vault verify --blobs` said once both copies were there
+
+    @property
+    def hot_copy(self) -> Path:
+        hex_ = self.digest.partition(":")[2]
+        return self.server.data_dir / "hot" / "blobs" / hex_[:2] / hex_
+
+    def damage_hot_copy(self, offset: int) -> None:
+        copy = self.hot_copy
+        copy.chmod(0o644)
+        damaged = bytearray(copy.read_bytes())
+        damaged[offset] ^= 0x10
+        copy.write_bytes(damaged)
+
+
+def two_copies(start_vault: StartVault, tmp_path: Path, seed: int, **env: str) -> TwoCopies:
     server = start_vault(
         env={
             "PINVAULT_STORE_WARM_DIR": str(tmp_path / "warm-tier"),
@@ -289,65 +310,46 @@ def test_verify_blobs_reports_each_copy_and_the_repairs_recorded(
             "PINVAULT_POLICY_WARM_AFTER_UNREAD_DAYS": str(1 / DAY),
             "PINVAULT_POLICY_MIN_COPIES": "2",
             "PINVAULT_POLICY_MIGRATE_INTERVAL": "0.2",
+            **env,
         }
     )
-    data = content(LARGE, seed=7)
+    data = content(LARGE, seed=seed)
     (tmp_path / "model.bin").write_bytes(data)
     digest = server.run("put", str(tmp_path / "model.bin")).ok().stdout.split()[0]
     server.run("pin", "artefact", digest).ok()
-
     deadline = time.monotonic() + 60
     while True:
         shown = server.run("verify", "--blobs").ok().stdout
         if f"blob {digest}: 2 copies" in shown:
-            break
+            return TwoCopies(server, digest, data, shown)
         assert time.monotonic() < deadline, shown
         time.sleep(0.3)
-    line = next(x for x in shown.splitlines() if x.startswith(f"  blob {digest}:"))
+
+
+def test_verify_blobs_reports_each_copy_and_the_repairs_recorded(
+    start_vault: StartVault, tmp_path: Path
+) -> None:
+    vault = two_copies(start_vault, tmp_path, seed=7)
+    server, digest = vault.server, vault.digest
+    line = next(x for x in vault.shown.splitlines() if x.startswith(f"  blob {digest}:"))
     assert "hot (verified 20" in line and "warm (verified 20" in line
     assert "repair" not in line
 
-    hex_ = digest.partition(":")[2]
-    copy = server.data_dir / "hot" / "blobs" / hex_[:2] / hex_
-    copy.chmod(0o644)
-    damaged = bytearray(copy.read_bytes())
-    damaged[len(damaged) // 2] ^= 0x10
-    copy.write_bytes(damaged)
+    vault.damage_hot_copy(len(vault.data) // 2)
 
     shown = server.run("verify", "--blobs").ok().stdout
     assert "blobs: 1 pinned blobs checked, 0 failed" in shown
     assert f"blob {digest}: 2 copies" in shown and "; 1 repair recorded" in shown
-    assert server.run("get", digest).ok().output == data
+    assert server.run("get", digest).ok().output == vault.data
 
 
 def test_vault_scrub_while_the_server_holds_the_tiers_scrubs_through_it(
     start_vault: StartVault, tmp_path: Path
 ) -> None:
-    server = start_vault(
-        env={
-            "PINVAULT_STORE_WARM_DIR": str(tmp_path / "warm-tier"),
-            "PINVAULT_POLICY_WARM_AFTER_UNREAD_DAYS": str(1 / DAY),
-            "PINVAULT_POLICY_MIN_COPIES": "2",
-            "PINVAULT_POLICY_MIGRATE_INTERVAL": "0.2",
-            # No background scrubber: only the one asked for finds the damage.
-            "PINVAULT_POLICY_SCRUB_WINDOW_DAYS": "0",
-        }
-    )
-    data = content(LARGE, seed=11)
-    (tmp_path / "model.bin").write_bytes(data)
-    digest = server.run("put", str(tmp_path / "model.bin")).ok().stdout.split()[0]
-    server.run("pin", "artefact", digest).ok()
-    deadline = time.monotonic() + 60
-    while f"blob {digest}: 2 copies" not in server.run("verify", "--blobs").ok().stdout:
-        assert time.monotonic() < deadline, "the blob never reached the warm tier"
-        time.sleep(0.3)
-
-    hex_ = digest.partition(":")[2]
-    copy = server.data_dir / "hot" / "blobs" / hex_[:2] / hex_
-    copy.chmod(0o644)
-    damaged = bytearray(copy.read_bytes())
-    damaged[CHUNK_SIZE + 5] ^= 0x01
-    copy.write_bytes(damaged)
+    # No background scrubber: only the one asked for finds the damage.
+    vault = two_copies(start_vault, tmp_path, seed=11, PINVAULT_POLICY_SCRUB_WINDOW_DAYS="0")
+    server, data, copy = vault.server, vault.data, vault.hot_copy
+    vault.damage_hot_copy(CHUNK_SIZE + 5)
 
     # As an operator on the vault's host runs it, with the server's own configuration.
     host = {
