@@ -381,6 +381,7 @@ def _scrub(args: argparse.Namespace, config: Config) -> int:
 def _scrub_through_server(args: argparse.Namespace, config: Config) -> int:
     """The tiers are held by a running `vault serve`: it scrubs them (Store.Scrub)."""
     from cli.progress import Progress
+    from tiers.scrub import ScrubStats
     from vault.config import open_client
 
     print(
@@ -393,10 +394,7 @@ def _scrub_through_server(args: argparse.Namespace, config: Config) -> int:
     with open_client(config) as client:
         for update in client.scrub(rate_mb_s=max(args.rate, 0.0)):
             if update.finished:
-                totals = {
-                    name: getattr(update, name)
-                    for name in ("copies", "bytes", "faults", "repaired", "unrepairable")
-                }
+                totals = {f.name: getattr(update, f.name) for f in dataclasses.fields(ScrubStats)}
             else:
                 bar.set(update.done_bytes, update.total_bytes)
     bar.close()

@@ -177,7 +177,7 @@ class Admitter:
     def _check_dataset_files(self, digest: str, size: int) -> None:
         if size > MAX_MANIFEST_BYTES:
             raise InvalidArgument(f"dataset {digest} is {size} bytes, too large for a manifest")
-        _, _, chunks = self.content.read(Digest.parse(digest))
+        _, chunks = self.content.read(self.content.get(Digest.parse(digest)))
         data = b"".join(bytes(chunk.data) for chunk in chunks)
         try:
             manifest = decode_manifest(data)

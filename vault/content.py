@@ -189,11 +189,10 @@ class Content:
         return [d for d in wanted if d not in present]
 
     def read(
-        self, digest: Digest, offset: int = 0, length: int | None = None
-    ) -> tuple[StoredBlob, int, Iterator[Chunk]]:
-        """The blob and the whole verified chunks covering the range; the range is checked first."""
-        blob = self.get(digest)
-        size = blob.info.size
+        self, blob: StoredBlob, offset: int = 0, length: int | None = None
+    ) -> tuple[int, Iterator[Chunk]]:
+        """The length of the range, checked first, and the whole verified chunks covering it."""
+        size, digest = blob.info.size, blob.info.sha256
         if offset > size:
             raise InvalidArgument(f"offset {offset} is beyond the end of {digest} ({size} bytes)")
         if length is not None and offset + length > size:
@@ -202,7 +201,7 @@ class Content:
             )
         if length is None:
             length = size - offset
-        return blob, length, self.store.read(blob.info.sha256, offset, length)
+        return length, self.store.read(digest, offset, length)
 
     # ------------------------------------------------------------------ audit
 

@@ -272,9 +272,9 @@ def _checkpoint(signed: SignedCheckpoint) -> pb.Checkpoint:
 
 # What Store.Scrub runs, as `vault serve` composes it (tiers/scrub.py): every copy on every tier
 # checked now, told a rate in bytes per second (None: no limit), a progress callback (bytes
-# checked, total bytes) and an event set when the caller has gone; returns the totals.
+# checked, total bytes) and an event set when the caller has gone; returns the totals, named
+# as in ScrubProgress.
 ScrubRunner = Callable[[float | None, Callable[[int, int], None], threading.Event], dict[str, int]]
-_SCRUB_TOTALS: Final = ("copies", "bytes", "faults", "repaired", "unrepairable")
 _PROGRESS_EVERY: Final = 0.2
 
 
@@ -352,28 +352,28 @@ class StoreService(_Service, rpc.StoreServicer):
     async def Get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[pb.GetResponse]:
         try:
             self.authorise("Get", context)
-            whole = await asyncio.to_thread(self._small_get, request)
+            blob, whole = await asyncio.to_thread(self._small_get, request)
         except Exception as exc:
             await _abort(context, exc)
         if whole is not None:
             for message in whole:
                 yield message
             return
-        async for message in _stream(lambda: self._get(request), context):
+        async for message in _stream(lambda: self._get(request, blob), context):
             yield message
 
-    def _small_get(self, request: pb.GetRequest) -> list[pb.GetResponse] | None:
-        """All the messages of a get of a small blob; None for any other get."""
-        if self.content.get(Digest.parse(request.digest)).info.size > self.SMALL_GET:
-            return None
-        return list(self._get(request))
+    def _small_get(self, request: pb.GetRequest) -> tuple[StoredBlob, list[pb.GetResponse] | None]:
+        """The blob asked for, and all the messages of its get if it is small (else None)."""
+        blob = self.content.get(Digest.parse(request.digest))
+        if blob.info.size > self.SMALL_GET:
+            return blob, None
+        return blob, list(self._get(request, blob))
 
-    def _get(self, request: pb.GetRequest) -> Iterator[pb.GetResponse]:
-        digest = Digest.parse(request.digest)
+    def _get(self, request: pb.GetRequest, blob: StoredBlob) -> Iterator[pb.GetResponse]:
         length = request.length if request.HasField("length") else None
         target = self._claim(request.handoff, "write") if request.handoff else None
         try:
-            blob, length, chunks = self.content.read(digest, request.offset, length)
+            length, chunks = self.content.read(blob, request.offset, length)
             if target is not None and length != blob.info.size:
                 raise InvalidArgument(
                     "a get into a handed-off file takes the whole blob; ranges stream"
@@ -488,10 +488,7 @@ class StoreService(_Service, rpc.StoreServicer):
         if isinstance(result, BaseException):
             raise result
         yield pb.ScrubProgress(
-            finished=True,
-            done_bytes=result["bytes"],
-            total_bytes=result["bytes"],
-            **{name: result[name] for name in _SCRUB_TOTALS},
+            finished=True, done_bytes=result["bytes"], total_bytes=result["bytes"], **result
         )
 
     # A batch bounds what it stages before its one sync, and its answer; one blob must fit in
