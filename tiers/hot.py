@@ -297,38 +297,41 @@ class HotTier(BatchPut):
         return _buffered_pieces(fd, start, end, piece)
 
     def _temp_file(self, suffix: str, flags: int = 0) -> tuple[int, str]:
-        """A new file in tmp/, flocked for as long as it is open so that another process opening
-        this tier does not take it for a crash leftover."""
+        """A new file in tmp/, flocked for as long as it is open (see _new_locked)."""
+
+        def create(path: str) -> int | None:
+            try:
+                return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | flags, 0o600)
+            except FileExistsError:
+                return None
+
+        return self._new_locked(suffix, create)
+
+    def _temp_folder(self) -> tuple[int, str]:
+        """A new folder in tmp/ for a batch, flocked through the returned descriptor for as
+        long as it is open (see _new_locked)."""
+
+        def create(path: str) -> int | None:
+            try:
+                os.mkdir(path, 0o700)
+                return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            except (FileExistsError, FileNotFoundError):
+                return None  # a name taken, or the folder cleaned up by another process at once
+
+        return self._new_locked(BATCH_SUFFIX, create)
+
+    def _new_locked(self, suffix: str, create: Callable[[str], int | None]) -> tuple[int, str]:
+        """A new entry in tmp/ made by `create` (its descriptor, or None to try another name),
+        flocked for as long as it is open so that another process opening this tier does not
+        take it for a crash leftover."""
         while True:
             path = str(self._tmp / f"{secrets.token_hex(12)}{suffix}")
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | flags, 0o600)
-            except FileExistsError:
+            fd = create(path)
+            if fd is None:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 # Another process's clean-up may have removed it between creation and lock.
-                if os.fstat(fd).st_nlink:
-                    return fd, path
-            except BlockingIOError:
-                pass
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)
-
-    def _temp_folder(self) -> tuple[int, str]:
-        """A new folder in tmp/ for a batch, flocked (through the returned descriptor) for as
-        long as it is open, as _temp_file does for one file."""
-        while True:
-            path = str(self._tmp / f"{secrets.token_hex(12)}{BATCH_SUFFIX}")
-            try:
-                os.mkdir(path, 0o700)
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-            except (FileExistsError, FileNotFoundError):
-                continue  # a name taken, or the folder cleaned up by another process at once
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if os.fstat(fd).st_nlink:
                     return fd, path
             except BlockingIOError:
