@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import signal
 import subprocess
 from abc import ABC, abstractmethod
@@ -20,7 +22,21 @@ class PrivateServer(ABC):
     def start(self) -> Self: ...
 
     @abstractmethod
-    def stop(self) -> None: ...
+    def _shut_down(self) -> None:
+        """Stop the server's processes; its folder is still there."""
+
+    def stop(self) -> None:
+        """Shut the server down and delete its folder; harmless if it is not running. A server
+        that fails to shut down keeps its folder, so that its log can be read."""
+        base = self._base
+        if base is None:
+            return
+        atexit.unregister(self.stop)
+        try:
+            self._shut_down()
+        finally:
+            self._base = None
+        shutil.rmtree(base, ignore_errors=True)
 
     def __enter__(self) -> Self:
         return self if self._base is not None else self.start()

@@ -147,12 +147,7 @@ class PostgresServer(PrivateServer):
         atexit.register(self.stop)
         return self
 
-    def stop(self) -> None:
-        """Shut the server down and delete its folder; harmless if it is not running."""
-        base = self._base
-        if base is None:
-            return
-        atexit.unregister(self.stop)
+    def _shut_down(self) -> None:
         if (self.data_dir / "postmaster.pid").exists():
             fast = self._run_unchecked(
                 "pg_ctl", "-D", str(self.data_dir), "-m", "fast", "-w", "-s", "stop"
@@ -162,14 +157,10 @@ class PostgresServer(PrivateServer):
                     "pg_ctl", "-D", str(self.data_dir), "-m", "immediate", "-w", "-s", "stop"
                 )
                 if immediate.returncode != 0:
-                    self._base = None
-                    # The folder stays so that its server.log can be read.
                     raise PostgresServerError(
-                        f"pg_ctl stop failed for the cluster in {base}:\n"
+                        f"pg_ctl stop failed for the cluster in {self.base_dir}:\n"
                         f"{fast.stdout}{immediate.stdout}{self._log_tail()}"
                     )
-        self._base = None
-        shutil.rmtree(base, ignore_errors=True)
 
     # -- where things are -------------------------------------------------------------------
 

@@ -169,17 +169,8 @@ class S3Server(PrivateServer):
             raise RuntimeError(f"{self.name} server is not halted")
         self._launch(port=self.port)
 
-    def stop(self) -> None:
-        """Shut the server down and delete its folder; harmless if it is not running."""
-        base = self._base
-        if base is None:
-            return
-        atexit.unregister(self.stop)
-        try:
-            self.halt()
-        finally:
-            self._base = None
-            shutil.rmtree(base, ignore_errors=True)
+    def _shut_down(self) -> None:
+        self.halt()
 
     # -- where things are -------------------------------------------------------------------
 

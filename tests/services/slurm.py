@@ -154,15 +154,9 @@ class SlurmCluster(PrivateServer):
         atexit.register(self.stop)
         return self
 
-    def stop(self) -> None:
-        """Stop the daemons and every job, then delete the folder; harmless if not running."""
-        base = self._base
-        if base is None:
-            return
-        atexit.unregister(self.stop)
+    def _shut_down(self) -> None:
+        """Stop the daemons and every job."""
         self._kill_all()
-        self._base = None
-        shutil.rmtree(base, ignore_errors=True)
 
     # -- where things are -------------------------------------------------------------------
 
