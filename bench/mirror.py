@@ -291,6 +291,18 @@ def _parallel(calls: list[Callable[[], None]]) -> float:
     return time.perf_counter() - started
 
 
+def report(label: str, ours: float, theirs: float) -> None:
+    print(
+        row(
+            label.ljust(_WIDTH),
+            f"{ours:.2f} s",
+            f"boto3 {theirs:.2f} s",
+            theirs / ours,
+            f">= {GOAL:.2f}x",
+        )
+    )
+
+
 def purge(server: MinioServer, endpoint: S3Endpoint) -> None:
     """Delete a bucket with its objects and wait for the space to be freed. A plain delete
     only moves the objects into MinIO's trash (.minio.sys/tmp/.trash), emptied every few
@@ -369,15 +381,7 @@ def main() -> None:
             theirs.append(boto3_upload(paths, plain))
             _purge_all(servers, plain)
         ours_s, theirs_s = statistics.median(ours), statistics.median(theirs)
-        print(
-            row(
-                _LABELS[0].ljust(_WIDTH),
-                f"{ours_s:.2f} s",
-                f"boto3 {theirs_s:.2f} s",
-                theirs_s / ours_s,
-                f">= {GOAL:.2f}x",
-            )
-        )
+        report(_LABELS[0], ours_s, theirs_s)
         rate = size / (1 << 20)
         print(
             f"  ({rate / ours_s:,.0f} MiB/s of blobs, 3 copies each; "
@@ -411,28 +415,12 @@ def main() -> None:
         purge(servers[0], stored)
         purge(servers[0], download)
         ours_s, theirs_s = statistics.median(reads), statistics.median(downloads)
-        print(
-            row(
-                _LABELS[1].ljust(_WIDTH),
-                f"{ours_s:.2f} s",
-                f"boto3 {theirs_s:.2f} s",
-                theirs_s / ours_s,
-                f">= {GOAL:.2f}x",
-            )
-        )
+        report(_LABELS[1], ours_s, theirs_s)
         print(f"  ({rate / ours_s:,.0f} MiB/s read; boto3 {rate / theirs_s:,.0f} MiB/s)")
 
         served = [grpc_cold_read(work, servers[0], reading, scratch) for _ in range(args.repeat)]
         ours_s = statistics.median(served)
-        print(
-            row(
-                _LABELS[2].ljust(_WIDTH),
-                f"{ours_s:.2f} s",
-                f"boto3 {theirs_s:.2f} s",
-                theirs_s / ours_s,
-                f">= {GOAL:.2f}x",
-            )
-        )
+        report(_LABELS[2], ours_s, theirs_s)
         print(f"  ({rate / ours_s:,.0f} MiB/s read; boto3 {rate / theirs_s:,.0f} MiB/s)")
     finally:
         for server in servers:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -30,15 +29,7 @@ SBATCH_ARGS = ("--parsable", "--hold", "--output=/dev/null", "--account=bench", 
 
 def submit(cluster: SlurmCluster, env: dict[str, str]) -> float:
     start = time.perf_counter()
-    result = subprocess.run(
-        cluster.command("sbatch", *SBATCH_ARGS),
-        env=cluster.env(env),
-        cwd=cluster.jobs_dir,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = cluster.run("sbatch", *SBATCH_ARGS, env=env)
     took = time.perf_counter() - start
     if result.returncode != 0:
         raise SystemExit(f"sbatch failed: {result.stderr.strip()}")
