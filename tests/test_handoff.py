@@ -19,9 +19,10 @@ import pytest
 from tests.conftest import StartVault
 from tests.services.vault_server import VaultServer
 from tests.test_access import Vault, vault  # noqa: F401  (the fixture)
+from vault import client as vault_client
 from vault.client import VaultClient
 from vault.errors import IntegrityError, InvalidArgument, PermissionDenied, Unavailable
-from vault.handoff import HANDOFF_MIN, MAX_PARKED, hand_off
+from vault.handoff import HANDOFF_MIN, MAX_PARKED, Mode, hand_off
 from vault.storage import CHUNK_SIZE
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
@@ -96,17 +97,33 @@ def test_streamed_and_handed_off_puts_store_the_same_blob(
     assert handed.blob == streamed.blob
 
 
-def test_large_files_are_handed_off_unasked_and_small_bytes_stream(
-    client: VaultClient, tmp_path: Path
+def test_large_files_are_handed_off_unasked_and_small_ones_stream(
+    client: VaultClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    handed: list[str] = []
+
+    def counted(socket_path: str, instance: str, fd: int, mode: Mode) -> str:
+        handed.append(mode)
+        return hand_off(socket_path, instance, fd, mode)
+
+    monkeypatch.setattr(vault_client, "hand_off", counted)
     big = tmp_path / "big.bin"
     data = write_file(big, HANDOFF_MIN + 1, seed=2)
     result = client.put(big)
     assert result.blob.size == len(data)
+    assert handed == ["read"]
     out = tmp_path / "out.bin"
     client.get(str(result.blob.sha256), out)
     assert out.read_bytes() == data
+    assert handed == ["read", "write"]
+
+    small = tmp_path / "small.bin"
+    write_file(small, HANDOFF_MIN - 1, seed=3)
+    assert client.put(small).blob.size == HANDOFF_MIN - 1
     assert client.put(b"small bytes").blob.size == len(b"small bytes")
+    client.get(str(result.blob.sha256), out, handoff=False)
+    assert out.read_bytes() == data
+    assert handed == ["read", "write"]
     with pytest.raises(InvalidArgument, match="only a file named by its path"):
         client.put(b"bytes have no file", handoff=True)
 
@@ -310,7 +327,9 @@ def test_the_socket_parks_a_bounded_number_of_unclaimed_files(
         assert put.blob.size == len(data)
 
 
-def test_vault_put_and_get_hand_large_files_off(vault_server: VaultServer, tmp_path: Path) -> None:
+def test_vault_put_and_get_of_a_file_past_the_handoff_size(
+    vault_server: VaultServer, tmp_path: Path
+) -> None:
     source = tmp_path / "weights.bin"
     data = write_file(source, HANDOFF_MIN + CHUNK_SIZE // 3, seed=10)
     line = vault_server.run("put", str(source)).ok().stdout.strip()
