@@ -1,5 +1,6 @@
-"""Admission decisions over gRPC for jobs whose pins exist (the scheduler's hot path), from 16
-concurrent callers, beside a bare gRPC echo service with the same callers.
+"""Admission decisions over gRPC for a job whose pins exist and which was admitted before (the
+scheduler's hot path: a job asked about again), from 16 concurrent callers, beside a bare gRPC
+echo service with the same callers (bench/rates.py).
 
     uv run python -m bench.admission [--seconds 5] [--runs 1000]
 """
@@ -11,18 +12,20 @@ import os
 
 import grpc
 
-from bench.common import Load, load, row, vault_server
-from bench.lookup import CONCURRENCY, echo_rate
+from bench.common import row, vault_server
+from bench.rates import compare
 from vault.client import VaultClient
 from vault.dataset import FileEntry, build_manifest, encode_manifest
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
+ADMIT = "/pinvault.v1.Admission/Admit"
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--runs", type=int, default=1000, help="distinct runs admitted again")
+    parser.add_argument("--runs", type=int, default=1000, help="runs admitted before the load")
     args = parser.parse_args()
     with vault_server() as server:
         with VaultClient(server.address) as client:
@@ -34,43 +37,29 @@ def main() -> None:
             ]
             dataset = str(client.put(encode_manifest(build_manifest(files))).blob.sha256)
             client.pin("dataset", dataset)
-            # The jobs of a busy cluster: each admitted once before, asked about again.
+            # The jobs of a busy cluster: admitted once before, asked about again.
             for seed in range(args.runs):
                 client.admit(image=image, dataset=dataset, seed=seed, team="bench")
-        requests = [
-            pb.AdmitRequest(
-                image=image, dataset=dataset, seed=str(seed), team="bench", author="bench"
-            )
-            for seed in range(args.runs)
-        ]
-        echo = echo_rate(args.seconds, requests[0].SerializeToString())
+        request = pb.AdmitRequest(
+            image=image, dataset=dataset, seed="0", team="bench", author="bench"
+        )
+        with grpc.insecure_channel(server.address) as channel:
+            answer = rpc.AdmissionStub(channel).Admit(request)
+        assert answer.run_id and not answer.new, "the job was not admitted before"
+        rates = compare(server.address, ADMIT, request, answer.ByteSize(), seconds=args.seconds)
 
-        channel = None
-        counter = 0
-
-        async def admit() -> None:
-            nonlocal channel, counter
-            if channel is None:
-                channel = grpc.aio.insecure_channel(server.address)
-            counter += 1
-            response = await rpc.AdmissionStub(channel).Admit(requests[counter % len(requests)])
-            assert not response.new
-
-        vault: Load = load(admit, concurrency=CONCURRENCY, seconds=args.seconds)
-
-    print(f"{CONCURRENCY} concurrent callers, {args.seconds:.0f} s each, {args.runs} runs")
-    print(f"  echo  {echo}")
-    print(f"  admit {vault}")
+    print(f"{args.seconds:.0f} s a run")
+    print(rates.report("admission"))
     print(
         row(
             "admission decisions (pins exist)",
-            f"{vault.rate:,.0f}/s",
-            f"{echo.rate:,.0f}/s",
-            vault.rate / echo.rate,
+            f"{rates.vault.rate:,.0f}/s",
+            f"{rates.echo_message.rate:,.0f}/s",
+            rates.ratio,
             "goal p99 < 5 ms",
         )
     )
-    print(f"admission p99 {vault.p99 * 1000:.2f} ms (goal < 5 ms)")
+    print(f"admission p99 {rates.vault.p99 * 1000:.2f} ms (goal < 5 ms)")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
-"""Durable appends over gRPC: 16 concurrent single-entry writers, and batch appends, on the
-embedded default (SQLite, WAL, synchronous=FULL), beside a bare gRPC echo at the same
-concurrency and a single-writer SQLite commit loop (one fsync per entry) from the same run.
+"""Durable appends over gRPC on the embedded default (SQLite, WAL, synchronous=FULL): batch
+appends, then 16 concurrent single-entry writers. Beside them, from the same run:
+
+- for batches, SQLite alone writing the same rows into the ledger's own tables, 1,000 a commit,
+  over the same range of ledger sizes: the storage engine's ceiling;
+- for single entries, a bare gRPC echo at the same concurrency (bench/rates.py), and a
+  single-writer SQLite loop with one commit (one sync) per entry.
 
     uv run python -m bench.append [--seconds 5]
 """
@@ -16,26 +20,74 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from bench.common import load, vault_server
-from bench.lookup import echo_rate
+from bench.common import vault_server
+from bench.rates import compare
+from vault.db import open_database
+from vault.entry import Entry, now
+from vault.merkle import leaf_hash
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
-CONCURRENCY = 16
+PIN = "/pinvault.v1.Ledger/Pin"
 BATCH = 1000
+BATCH_CALLS = 60
 BATCH_WRITERS = 4
+# Past 100,000 entries every single append's answer has the same size (six-digit indices), as
+# bench/h2load.py's check of the answers needs.
+FILL = 100_000
 
 
 def pin(digest: str) -> pb.PinRequest:
     return pb.PinRequest(kind="artefact", subjects=[digest], external=True, author="bench")
 
 
+def random_digest() -> str:
+    return "sha256:" + os.urandom(32).hex()
+
+
+def _sqlite(path: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    return conn
+
+
+def bare_sqlite_batch_rate(entries: int) -> float:
+    """Entries as the ledger stores them, written by SQLite alone into the ledger's schema,
+    BATCH to a commit: the rows are made before the clock starts."""
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        open_database(f"sqlite:///{tmp}/ledger.db").dispose()
+        stamp, prev = now(), bytes(32)
+        batches = []
+        for start in range(0, entries, BATCH):
+            rows, subjects = [], []
+            for index in range(start, start + BATCH):
+                digest = random_digest()
+                body = Entry(index, "artefact", (digest,), "bench", stamp, prev, {}, True).encode()
+                prev = leaf_hash(body)
+                rows.append((index, body, prev, "artefact", "bench", stamp, True))
+                subjects.append((digest, index))
+            batches.append((rows, subjects))
+        conn = _sqlite(f"{tmp}/ledger.db")
+        begin = time.perf_counter()
+        for rows, subjects in batches:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany(
+                "INSERT INTO entries (idx, body, leaf_hash, kind, author, time, external) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+            conn.executemany("INSERT INTO entry_subjects (digest, idx) VALUES (?, ?)", subjects)
+            conn.execute("COMMIT")
+        rate = entries / (time.perf_counter() - begin)
+        conn.close()
+    return rate
+
+
 def naive_sqlite_rate(seconds: float) -> float:
     """One transaction and one sync per entry: what group commit is measured against."""
-    with tempfile.TemporaryDirectory() as tmp:
-        conn = sqlite3.connect(f"{tmp}/naive.db", isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        conn = _sqlite(f"{tmp}/naive.db")
         conn.execute("CREATE TABLE t (i INTEGER PRIMARY KEY, body BLOB)")
         n = 0
         deadline = time.perf_counter() + seconds
@@ -54,45 +106,44 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
-    echo = echo_rate(args.seconds, pin("sha256:" + "0" * 64).SerializeToString())
+    batched = BATCH * BATCH_CALLS
+    bare = bare_sqlite_batch_rate(batched)
     naive = naive_sqlite_rate(min(args.seconds, 3))
     with vault_server() as server:
-        channel = None
-
-        async def single() -> None:
-            nonlocal channel
-            if channel is None:
-                channel = grpc.aio.insecure_channel(server.address)
-            await rpc.LedgerStub(channel).Pin(pin("sha256:" + os.urandom(32).hex()))
-
-        singles = load(single, concurrency=CONCURRENCY, seconds=args.seconds)
-
         with grpc.insecure_channel(
             server.address, options=[("grpc.max_send_message_length", 64 << 20)]
-        ) as sync_channel:
-            ledger = rpc.LedgerStub(sync_channel)
+        ) as channel:
+            ledger = rpc.LedgerStub(channel)
             requests = [
-                pb.PinBatchRequest(
-                    pins=[pin("sha256:" + os.urandom(32).hex()) for _ in range(BATCH)]
-                )
-                for _ in range(BATCH_WRITERS * 15 + 1)
+                pb.PinBatchRequest(pins=[pin(random_digest()) for _ in range(BATCH)])
+                for _ in range(BATCH_CALLS)
             ]
-            ledger.PinBatch(requests.pop())
             start = time.perf_counter()
             with ThreadPoolExecutor(BATCH_WRITERS) as pool:
                 list(pool.map(ledger.PinBatch, requests))
-            batch_rate = len(requests) * BATCH / (time.perf_counter() - start)
+            batch_rate = batched / (time.perf_counter() - start)
+            for _ in range((FILL - batched) // 5000 + 1):
+                ledger.PinBatch(
+                    pb.PinBatchRequest(pins=[pin(random_digest()) for _ in range(5000)])
+                )
+            request = pin(random_digest())
+            answer = ledger.Pin(request).ByteSize()
+        singles = compare(server.address, PIN, request, answer, seconds=args.seconds)
 
     print(
-        f"{CONCURRENCY} concurrent single-entry writers, {args.seconds:.0f} s; "
-        "durable (synchronous=FULL)"
+        f"batch appends, {BATCH} a call from {BATCH_WRITERS} writers, into a new ledger "
+        f"(0 to {batched:,} entries), durable (synchronous=FULL)"
     )
-    print(f"  echo            {echo}")
-    print(f"  pin (append)    {singles}")
-    print(f"  sqlite, 1 commit per entry, 1 writer: {naive:,.0f} entries/s")
-    print(f"single-entry appends: {singles.rate:,.0f}/s (goal >= 5,000/s)")
+    print(f"  append batches                  {batch_rate:,.0f} entries/s")
+    print(f"  SQLite alone, the same rows     {bare:,.0f} entries/s")
     print(
-        f"batch appends ({BATCH} a call, {BATCH_WRITERS} writers): {batch_rate:,.0f} entries/s "
+        f"single-entry appends, durable, {args.seconds:.0f} s a run, ledger past {FILL:,} entries"
+    )
+    print(singles.report("append"))
+    print(f"  SQLite alone, 1 commit per entry, 1 writer: {naive:,.0f} entries/s")
+    print(f"single-entry appends: {singles.vault.rate:,.0f}/s (goal >= 5,000/s)")
+    print(
+        f"batch appends: {batch_rate:,.0f} entries/s, {batch_rate / bare:.2f}x SQLite alone "
         "(goal >= 50,000/s)"
     )
 

@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import signal
-import subprocess
-import sys
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 
-from bench.common import ROOT, Load, load, row, vault_server
+from bench.common import Load, load, row, vault_server
+from bench.rates import CONCURRENCY, Rates, compare, echo_server
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
-CONCURRENCY = 16
+LOOKUP = "/pinvault.v1.Ledger/Lookup"
 
 
 def random_digest() -> str:
@@ -43,28 +41,24 @@ def populate(address: str, count: int) -> list[str]:
     return digests
 
 
-def echo_rate(seconds: float, payload: bytes) -> Load:
-    """The same callers against a bare echo service in its own process."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "bench.echo_server"], cwd=ROOT, stdout=subprocess.PIPE
-    )
-    assert process.stdout is not None
-    found = re.search(r"on (\S+)", process.stdout.readline().decode())
-    assert found, "the echo server did not start"
-    address = found.group(1)
-    try:
-        channel: grpc.aio.Channel | None = None
+def python_callers(address: str, echo: str, request: pb.LookupRequest, seconds: float) -> Rates:
+    """The same look-up from 16 Python asyncio callers, which share the machine's two cores
+    with the server, beside the message echo from the same callers."""
+    data = request.SerializeToString()
 
-        async def call() -> None:
-            nonlocal channel
-            if channel is None:
-                channel = grpc.aio.insecure_channel(address)
-            await channel.unary_unary("/bench.Echo/Echo")(payload)
+    def timed(method: str, address: str) -> Load:
+        call: Callable[[bytes], Awaitable[bytes]] | None = None
 
-        return load(call, concurrency=CONCURRENCY, seconds=seconds)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait()
+        async def one() -> None:
+            nonlocal call
+            if call is None:  # made on the load's event loop
+                call = grpc.aio.insecure_channel(address).unary_unary(method)
+            await call(data)
+
+        return load(one, concurrency=CONCURRENCY, seconds=seconds)
+
+    echo_message = timed("/bench.Echo/EchoMessage", echo)
+    return Rates(timed("/bench.Echo/Echo", echo), echo_message, timed(LOOKUP, address))
 
 
 def main() -> None:
@@ -74,22 +68,13 @@ def main() -> None:
     args = parser.parse_args()
     with vault_server() as server:
         digests = populate(server.address, args.pins)
-        request = pb.LookupRequest(digest=digests[0])
-        echo = echo_rate(args.seconds, request.SerializeToString())
-
-        channel = None
-        counter = 0
-
-        async def lookup() -> None:
-            nonlocal channel, counter
-            if channel is None:
-                channel = grpc.aio.insecure_channel(server.address)
-            counter += 1
-            await rpc.LedgerStub(channel).Lookup(
-                pb.LookupRequest(digest=digests[counter % len(digests)])
-            )
-
-        vault = load(lookup, concurrency=CONCURRENCY, seconds=args.seconds)
+        request = pb.LookupRequest(digest=digests[len(digests) // 2])
+        with grpc.insecure_channel(server.address) as channel:
+            answer = rpc.LedgerStub(channel).Lookup(request)
+        assert answer.entries, "the look-up found nothing"
+        rates = compare(server.address, LOOKUP, request, answer.ByteSize(), seconds=args.seconds)
+        with echo_server("LookupRequest") as echo:
+            python = python_callers(server.address, echo, request, args.seconds)
 
         with grpc.insecure_channel(
             server.address,
@@ -118,22 +103,22 @@ def main() -> None:
             assert len(missing) == len(probe)
             exist = sorted(samples)[2]
 
-    print(
-        f"{CONCURRENCY} concurrent callers, {args.seconds:.0f} s each, ledger of {args.pins} pins"
-    )
-    print(f"  echo   {echo}")
-    print(f"  lookup {vault}")
-    ratio = vault.rate / echo.rate
+    print(f"ledger of {args.pins} pins; {args.seconds:.0f} s a run")
+    print(rates.report("look-up"))
+    print(python.report("look-up", "Python asyncio callers on one channel"))
     print(
         row(
             "pin look-ups (with inclusion proofs)",
-            f"{vault.rate:,.0f}/s",
-            f"{echo.rate:,.0f}/s",
-            ratio,
+            f"{rates.vault.rate:,.0f}/s",
+            f"{rates.echo_message.rate:,.0f}/s",
+            rates.ratio,
             "goal >= 0.70x echo, p99 < 5 ms",
         )
     )
-    print(f"look-up p99 {vault.p99 * 1000:.2f} ms")
+    print(
+        f"look-up p99 {rates.vault.p99 * 1000:.2f} ms "
+        f"(from Python callers: {python.vault.p99 * 1000:.2f} ms)"
+    )
     print(f"batch look-up, 1000 digests a call: {batch_rate:,.0f} digests/s (goal >= 50,000)")
     print(f"batch existence of 100,000 digests: {exist:.3f} s (goal < 1 s)")
 

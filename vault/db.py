@@ -129,28 +129,27 @@ class Database:
     write: Engine
     _local: threading.local = field(default_factory=threading.local)
     _held: list[Any] = field(default_factory=list)
+    is_sqlite: bool = field(init=False)
 
-    @property
-    def is_sqlite(self) -> bool:
-        return self.read.dialect.name == "sqlite"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_sqlite", self.read.dialect.name == "sqlite")
 
     def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         """Run one query written with `?` placeholders and return all its rows."""
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = self._raw_connection()
-        if not self.is_sqlite:
-            sql = sql.replace("?", "%s")
-        cursor = conn.cursor()
         try:
-            cursor.execute(sql, params)
-            return list(cursor.fetchall())
+            if self.is_sqlite:
+                rows: list[tuple[Any, ...]] = conn.execute(sql, params).fetchall()
+                return rows
+            with conn.cursor() as cursor:
+                cursor.execute(sql.replace("?", "%s"), params)
+                return list(cursor.fetchall())
         except Exception:
             # A broken connection must not be reused by this thread.
             self._local.conn = None
             raise
-        finally:
-            cursor.close()
 
     def _raw_connection(self) -> Any:
         raw = self.read.raw_connection()

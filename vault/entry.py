@@ -34,6 +34,33 @@ _FIELDS: Final = frozenset(
 )
 
 
+def encode_fields(
+    index: int,
+    kind: str,
+    subjects: Sequence[str],
+    author: str,
+    time: str,
+    prev: bytes,
+    meta: Mapping[str, str],
+    external: bool,
+) -> bytes:
+    """An entry's canonical bytes from its fields (`Entry.encode`; the ledger's appender calls
+    it without making an Entry).
+
+    Written out by hand (keys already in sorted order, strings escaped by the json module's own
+    encoder) because appends encode every entry; `canonical_json` of the same object gives the
+    same bytes, and the test vectors hold both to it."""
+    fields = ",".join(f"{_string(k)}:{_string(v)}" for k, v in sorted(meta.items()))
+    listed = ",".join(_string(s) for s in subjects)
+    return (
+        f'{{"author":{_string(author)},'
+        f'"external":{"true" if external else "false"},'
+        f'"index":{index:d},"kind":{_string(kind)},"meta":{{{fields}}},'
+        f'"prev":"{prev.hex()}","subjects":[{listed}],'
+        f'"time":{_string(time)},"v":{FORMAT_VERSION}}}'
+    ).encode()
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One ledger record. Its position in the ledger is its `index`."""
@@ -48,20 +75,17 @@ class Entry:
     external: bool = False
 
     def encode(self) -> bytes:
-        """The canonical bytes: the same on every machine and Python version.
-
-        Written out by hand (keys already in sorted order, strings escaped by the json
-        module's own encoder) because appends encode every entry; `canonical_json` of the
-        same object gives the same bytes, and the test vectors hold both to it."""
-        meta = ",".join(f"{_string(k)}:{_string(v)}" for k, v in sorted(self.meta.items()))
-        subjects = ",".join(_string(s) for s in self.subjects)
-        return (
-            f'{{"author":{_string(self.author)},'
-            f'"external":{"true" if self.external else "false"},'
-            f'"index":{self.index:d},"kind":{_string(self.kind)},"meta":{{{meta}}},'
-            f'"prev":"{self.prev.hex()}","subjects":[{subjects}],'
-            f'"time":{_string(self.time)},"v":{FORMAT_VERSION}}}'
-        ).encode()
+        """The canonical bytes: the same on every machine and Python version."""
+        return encode_fields(
+            self.index,
+            self.kind,
+            self.subjects,
+            self.author,
+            self.time,
+            self.prev,
+            self.meta,
+            self.external,
+        )
 
     def as_json(self) -> dict[str, Any]:
         return {

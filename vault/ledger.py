@@ -20,7 +20,14 @@ from sqlalchemy.dialects import postgresql, sqlite
 from vault import db as tables
 from vault.checkpoint import Checkpoint, SigningKey, Verifier
 from vault.db import Database, Writer
-from vault.entry import Entry, check_author, check_kind, check_meta, check_subjects, now
+from vault.entry import (
+    check_author,
+    check_kind,
+    check_meta,
+    check_subjects,
+    encode_fields,
+    now,
+)
 from vault.errors import InvalidArgument, NotFound, Unavailable, VaultError, VerificationError
 from vault.merkle import MerkleTree, leaf_hash
 
@@ -296,18 +303,12 @@ class Ledger:
             for request in batch:
                 stored: list[StoredEntry] = []
                 for pin in request.pins:
-                    body = Entry(
-                        index=size,
-                        kind=pin.kind,
-                        subjects=pin.subjects,
-                        author=pin.author,
-                        time=stamp,
-                        prev=prev,
-                        meta=pin.meta,
-                        external=pin.external,
-                    ).encode()
+                    kind, author = pin.kind, pin.author
+                    body = encode_fields(
+                        size, kind, pin.subjects, author, stamp, prev, pin.meta, pin.external
+                    )
                     prev = leaf_hash(body)
-                    rows.append((size, body, prev, pin.kind, pin.author, stamp, pin.external))
+                    rows.append((size, body, prev, kind, author, stamp, pin.external))
                     subject_rows.extend((s, size) for s in pin.subjects)
                     leaves.append(prev)
                     stored.append(StoredEntry(size, body))
@@ -450,6 +451,18 @@ class Ledger:
         "SELECT s.digest, e.idx, e.body FROM entry_subjects s JOIN entries e ON e.idx = s.idx "
         "WHERE s.digest IN ({}) ORDER BY e.idx"
     )
+
+    _NAMING = (
+        "SELECT e.idx, e.body FROM entry_subjects s JOIN entries e ON e.idx = s.idx "
+        "WHERE s.digest = ? ORDER BY s.idx"
+    )
+
+    def entries_naming(self, digest: str) -> list[StoredEntry]:
+        """Entries naming one digest, in index order (a look-up's query: the subjects index
+        gives the order, where `entries_for`'s IN list needs a sort)."""
+        return [
+            StoredEntry(idx, bytes(body)) for idx, body in self.db.fetch(self._NAMING, (digest,))
+        ]
 
     def entries_for(self, digests: Iterable[str]) -> dict[str, list[StoredEntry]]:
         """Entries naming each digest, in index order."""

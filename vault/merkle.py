@@ -126,17 +126,22 @@ class MerkleTree:
             raise ValueError(f"no tree of size {size}: the tree has {self._size} leaves")
         if not 0 <= index < size:
             raise ValueError(f"no leaf {index} in a tree of size {size}")
+        # Bottom up, one level at a time: the sibling of the path's node at each level, which
+        # is a stored perfect subtree, or the tree's ragged right edge (a cached range root), or
+        # absent when the path's node is the level's last and is carried up as it is.
         path: list[bytes] = []
-        start, m, n = 0, index, size
-        while n > 1:
-            k = _largest_power_of_two_below(n)
-            if m < k:
-                path.append(self._subtree_root(start + k, start + n))
-                n = k
-            else:
-                path.append(self._subtree_root(start, start + k))
-                start, m, n = start + k, m - k, n - k
-        path.reverse()
+        levels = self._levels
+        node, last, level = index, size - 1, 0
+        while last:
+            sibling = node ^ 1
+            if sibling < last or (sibling == last and (sibling + 1) << level <= size):
+                at = sibling * HASH_SIZE
+                path.append(bytes(levels[level][at : at + HASH_SIZE]))
+            elif sibling == last:
+                path.append(self._subtree_root(sibling << level, size))
+            node >>= 1
+            last >>= 1
+            level += 1
         return path
 
     def consistency_proof(self, old_size: int, new_size: int) -> list[bytes]:

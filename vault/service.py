@@ -121,7 +121,9 @@ def unary(method: Callable[..., Any]) -> Handler:
     async def wrapper(self: _Service, request: Any, context: Any) -> Any:
         try:
             self.authorise(method.__name__, context)
-            return await self.call(method, self, request)
+            if self.inline:
+                return method(self, request)
+            return await asyncio.to_thread(method, self, request)
         except Exception as exc:
             await _abort(context, exc)
 
@@ -547,9 +549,9 @@ class LedgerService(_Service, rpc.LedgerServicer):
     def _spec(self, request: pb.PinRequest) -> PinSpec:
         spec = PinSpec.checked(
             kind=request.kind,
-            subjects=list(request.subjects),
+            subjects=request.subjects,
             author=caller().author(request.author),
-            meta=dict(request.meta),
+            meta=dict(request.meta) if request.meta else None,
             external=request.external,
         )
         if spec.external:
@@ -590,8 +592,11 @@ class LedgerService(_Service, rpc.LedgerServicer):
 
     @unary_async
     async def PinBatch(self, request: pb.PinBatchRequest) -> pb.PinBatchResponse:
-        entries = await self._append(request.pins)
-        return pb.PinBatchResponse(entries=[_entry(e) for e in entries])
+        response = pb.PinBatchResponse()
+        add = response.entries.add
+        for e in await self._append(request.pins):
+            add(index=e.index, body=e.body)
+        return response
 
     def _lookup_keys(self, text: str) -> list[str]:
         """Pins name stored blobs by sha256; a blake3 alias is resolved through the catalog."""
@@ -602,39 +607,48 @@ class LedgerService(_Service, rpc.LedgerServicer):
         return [digest] if found is None else [digest, str(found.info.sha256)]
 
     def _prove(
-        self, found: list[list[StoredEntry]], known_size: int
-    ) -> tuple[list[list[pb.ProvenEntry]], SignedCheckpoint, pb.ConsistencyProof]:
-        needed = max((e.index + 1 for es in found for e in es), default=0)
+        self,
+        response: Any,
+        groups: Sequence[tuple[Callable[[], pb.ProvenEntry], Sequence[StoredEntry]]],
+        known_size: int,
+    ) -> None:
+        """Fill `response` (a message with `checkpoint` and `consistency`) in place: each
+        group's entries, each added by its `add` with an inclusion proof against one signed
+        checkpoint that covers them all, and that checkpoint's consistency with `known_size`."""
+        needed = max((e.index + 1 for _, es in groups for e in es), default=0)
         signed = self.ledger.checkpoint(needed)
         if known_size > signed.size and known_size <= self.ledger.size:
             signed = self.ledger.checkpoint(known_size)
-        proven = [
-            [
-                pb.ProvenEntry(
-                    entry=_entry(e), inclusion=self.ledger.inclusion_proof(e.index, signed.size)
-                )
-                for e in es
-            ]
-            for es in found
-        ]
-        consistency = pb.ConsistencyProof(old_size=known_size, new_size=signed.size)
-        if 0 < known_size < signed.size:
-            consistency.hashes.extend(self.ledger.consistency_proof(known_size, signed.size))
-        return proven, signed, consistency
+        size = signed.size
+        prove = self.ledger.inclusion_proof
+        for add, entries in groups:
+            for e in entries:
+                proven = add()
+                proven.entry.index = e.index
+                proven.entry.body = e.body
+                proven.inclusion.extend(prove(e.index, size))
+        response.checkpoint.note = signed.note
+        consistency = response.consistency
+        consistency.old_size = known_size
+        consistency.new_size = size
+        if 0 < known_size < size:
+            consistency.hashes.extend(self.ledger.consistency_proof(known_size, size))
 
     @unary
     def Lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
         keys = self._lookup_keys(request.digest)
-        found = self.ledger.entries_for(keys)
-        entries = sorted(
-            {e.index: e for k in keys for e in found[k]}.values(), key=lambda e: e.index
-        )
+        if len(keys) == 1:
+            entries = self.ledger.entries_naming(keys[0])
+        else:
+            found = self.ledger.entries_for(keys)
+            entries = sorted(
+                {e.index: e for k in keys for e in found[k]}.values(), key=lambda e: e.index
+            )
         if not entries:
             raise NotFound(f"no entry pins {request.digest}")
-        (proven,), signed, consistency = self._prove([entries], request.known_size)
-        return pb.LookupResponse(
-            entries=proven, checkpoint=_checkpoint(signed), consistency=consistency
-        )
+        response = pb.LookupResponse()
+        self._prove(response, [(response.entries.add, entries)], request.known_size)
+        return response
 
     @unary
     def LookupBatch(self, request: pb.LookupBatchRequest) -> pb.LookupBatchResponse:
@@ -645,19 +659,16 @@ class LedgerService(_Service, rpc.LedgerServicer):
         # A blake3 alias names the same pins as its sha256 digest, as in Lookup.
         keys = {d: self._lookup_keys(d) for d in request.digests}
         found = self.ledger.entries_for(k for ks in keys.values() for k in ks)
-        per_digest = [
-            sorted({e.index: e for k in keys[d] for e in found[k]}.values(), key=lambda e: e.index)
-            for d in request.digests
-        ]
-        proven, signed, consistency = self._prove(per_digest, request.known_size)
-        return pb.LookupBatchResponse(
-            results=[
-                pb.LookupResult(digest=d, entries=p)
-                for d, p in zip(request.digests, proven, strict=True)
-            ],
-            checkpoint=_checkpoint(signed),
-            consistency=consistency,
-        )
+        response = pb.LookupBatchResponse()
+        groups = []
+        for d in request.digests:
+            result = response.results.add(digest=d)
+            entries = sorted(
+                {e.index: e for k in keys[d] for e in found[k]}.values(), key=lambda e: e.index
+            )
+            groups.append((result.entries.add, entries))
+        self._prove(response, groups, request.known_size)
+        return response
 
     @unary
     def Log(self, request: pb.LogRequest) -> pb.LogResponse:
@@ -775,21 +786,19 @@ class AdmissionService(_Service, rpc.AdmissionServicer):
 
     def _answer(self, request: pb.AdmitRequest, admitted: Admitted) -> pb.AdmitResponse:
         inputs = admitted.inputs
-        (proven,), signed, consistency = self.ledger_service._prove(
-            [[admitted.entry]], request.known_size
-        )
         encoded = inputs.encode()
-        return pb.AdmitResponse(
+        response = pb.AdmitResponse(
             run_id="sha256:" + hashlib.sha256(encoded).hexdigest(),
             seed=str(inputs.seed),
             inputs=encoded,
-            entry=proven[0],
-            checkpoint=_checkpoint(signed),
-            consistency=consistency,
             new=admitted.new,
             lease=admitted.lease,
             team=admitted.team,
         )
+        self.ledger_service._prove(
+            response, [(lambda: response.entry, [admitted.entry])], request.known_size
+        )
+        return response
 
     @unary
     def ReleaseReplay(self, request: pb.ReleaseReplayRequest) -> pb.ReleaseReplayResponse:
