@@ -8,6 +8,7 @@ and every entry of the run names it as a subject, so `vault lookup RUN_ID` lists
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Final
@@ -124,11 +125,11 @@ class RunInputs:
 
     def encode(self) -> bytes:
         """The canonical (RFC 8785) bytes whose sha256 is the run id."""
-        return canonical_json(self.as_json())
+        return _canonical(self)[0]
 
     @property
     def run_id(self) -> str:
-        return "sha256:" + hashlib.sha256(self.encode()).hexdigest()
+        return _canonical(self)[1]
 
     @property
     def subjects(self) -> tuple[str, ...]:
@@ -161,3 +162,11 @@ class RunInputs:
         if inputs.encode() != data:
             raise InvalidArgument("run inputs document is not in canonical form")
         return inputs
+
+
+# The scheduler asks about the same runs again and again: their encodings are kept.
+@functools.lru_cache(maxsize=4096)
+def _canonical(inputs: RunInputs) -> tuple[bytes, str]:
+    """The inputs' canonical bytes and the run id they make."""
+    encoded = canonical_json(inputs.as_json())
+    return encoded, "sha256:" + hashlib.sha256(encoded).hexdigest()

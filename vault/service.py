@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
 import os
 import queue
@@ -786,11 +785,10 @@ class AdmissionService(_Service, rpc.AdmissionServicer):
 
     def _answer(self, request: pb.AdmitRequest, admitted: Admitted) -> pb.AdmitResponse:
         inputs = admitted.inputs
-        encoded = inputs.encode()
         response = pb.AdmitResponse(
-            run_id="sha256:" + hashlib.sha256(encoded).hexdigest(),
+            run_id=inputs.run_id,
             seed=str(inputs.seed),
-            inputs=encoded,
+            inputs=inputs.encode(),
             new=admitted.new,
             lease=admitted.lease,
             team=admitted.team,
