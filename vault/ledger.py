@@ -145,11 +145,8 @@ def _settle(settled: list[tuple[asyncio.Future[list[StoredEntry]], Any]]) -> Non
 
 
 _STOP: Final = object()
-_INSERT_ENTRY: Final = (
-    "INSERT INTO entries (idx, body, leaf_hash, kind, author, time, external) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?)"
-)
-_INSERT_SUBJECT: Final = "INSERT INTO entry_subjects (digest, idx) VALUES (?, ?)"
+_ENTRY_COLUMNS: Final = ("idx", "body", "leaf_hash", "kind", "author", "time", "external")
+_SUBJECT_COLUMNS: Final = ("digest", "idx")
 _HEAD: Final = "SELECT size, last_leaf FROM ledger_head WHERE id = 1"
 _READ_ENTRIES: Final = (
     "SELECT idx, body, leaf_hash, kind, author, time, external FROM entries "
@@ -314,8 +311,8 @@ class Ledger:
                     stored.append(StoredEntry(size, body))
                     size += 1
                 results.append(stored)
-            tx.many(_INSERT_ENTRY, rows)
-            tx.many(_INSERT_SUBJECT, subject_rows)
+            tx.insert("entries", _ENTRY_COLUMNS, rows)
+            tx.insert("entry_subjects", _SUBJECT_COLUMNS, subject_rows)
             tx.run("UPDATE ledger_head SET size = ?, last_leaf = ? WHERE id = 1", (size, prev))
         # Committed: only now do the new leaves become part of what this server proves.
         self._tree.extend(leaves)
