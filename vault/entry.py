@@ -50,8 +50,10 @@ def encode_fields(
     Written out by hand (keys already in sorted order, strings escaped by the json module's own
     encoder) because appends encode every entry; `canonical_json` of the same object gives the
     same bytes, and the test vectors hold both to it."""
-    fields = ",".join(f"{_string(k)}:{_string(v)}" for k, v in sorted(meta.items()))
-    listed = ",".join(_string(s) for s in subjects)
+    fields = (
+        ",".join([f"{_string(k)}:{_string(v)}" for k, v in sorted(meta.items())]) if meta else ""
+    )
+    listed = _string(subjects[0]) if len(subjects) == 1 else ",".join(map(_string, subjects))
     return (
         f'{{"author":{_string(author)},'
         f'"external":{"true" if external else "false"},'

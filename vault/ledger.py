@@ -59,15 +59,11 @@ class PinSpec:
         external: bool = False,
     ) -> PinSpec:
         subjects_ = check_subjects(subjects)
-        if len(set(subjects_)) != len(subjects_):
+        if len(subjects_) > 1 and len(set(subjects_)) != len(subjects_):
             raise InvalidArgument("the same subject digest is named twice")
-        return cls(
-            kind=check_kind(kind),
-            subjects=subjects_,
-            author=check_author(author),
-            meta=check_meta(meta or {}),
-            external=external,
-        )
+        # Positional: appends make one of these a pin, and keywords cost more than the checks.
+        kind_, author_ = check_kind(kind), check_author(author)
+        return cls(kind_, subjects_, author_, check_meta(meta or {}), external)
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,7 +302,7 @@ class Ledger:
                     )
                     prev = leaf_hash(body)
                     rows.append((size, body, prev, kind, author, stamp, pin.external))
-                    subject_rows.extend((s, size) for s in pin.subjects)
+                    subject_rows += [(s, size) for s in pin.subjects]
                     leaves.append(prev)
                     stored.append(StoredEntry(size, body))
                     size += 1

@@ -19,7 +19,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from vault.admission import Admitted, Admitter, check_run_id
-from vault.auth import CALLER, Gate, caller
+from vault.auth import CALLER, Gate, Identity, caller
 from vault.content import Content, StoredBlob
 from vault.digest import Digest, check_digest
 from vault.errors import (
@@ -545,11 +545,11 @@ class LedgerService(_Service, rpc.LedgerServicer):
         self.content = content
         self.inline = ledger.db.is_sqlite
 
-    def _spec(self, request: pb.PinRequest) -> PinSpec:
+    def _spec(self, request: pb.PinRequest, who: Identity) -> PinSpec:
         spec = PinSpec.checked(
             kind=request.kind,
             subjects=request.subjects,
-            author=caller().author(request.author),
+            author=who.author(request.author),
             meta=dict(request.meta) if request.meta else None,
             external=request.external,
         )
@@ -569,10 +569,11 @@ class LedgerService(_Service, rpc.LedgerServicer):
         return PinSpec(spec.kind, tuple(subjects), spec.author, spec.meta, spec.external)
 
     def _specs(self, pins: Sequence[pb.PinRequest]) -> list[PinSpec]:
+        who = caller()
         specs = []
         for number, pin in enumerate(pins):
             try:
-                specs.append(self._spec(pin))
+                specs.append(self._spec(pin, who))
             except VaultError as exc:
                 if len(pins) == 1:
                     raise
