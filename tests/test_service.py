@@ -272,6 +272,28 @@ def test_a_batch_appends_all_its_entries_at_once_in_order(server: VaultServer) -
     assert found[ABSENT] == []
 
 
+def test_the_largest_batch_is_stored_whole_and_verifies(server: VaultServer) -> None:
+    # 10,000 entries of two subjects: more values than SQLite's default limit for one statement
+    # (32,766), for both the entries and their subjects.
+    subjects = [
+        ("sha256:" + hashlib.sha256(b"a%d" % n).hexdigest(), f"sha256:{n:064x}")
+        for n in range(10_000)
+    ]
+    with server.client() as client:
+        size = client.checkpoint().size
+        response = client.ledger.PinBatch(
+            pb.PinBatchRequest(
+                pins=[pin(kind="artefact", subjects=s, external=True) for s in subjects]
+            )
+        )
+        assert [e.index for e in response.entries] == list(range(size, size + 10_000))
+        found = client.lookup_many([subjects[0][0], subjects[-1][1], subjects[4_681][1]])
+    assert [p.entry.index for p in found[subjects[0][0]]] == [size]
+    assert [p.entry.index for p in found[subjects[-1][1]]] == [size + 9_999]
+    assert [p.entry.subjects for p in found[subjects[4_681][1]]] == [subjects[4_681]]
+    assert "ledger OK" in server.run("verify").ok().stdout
+
+
 def test_no_call_changes_or_deletes_an_entry(channel: Any) -> None:
     pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
     ledger = {m.name for m in pool.FindServiceByName("pinvault.v1.Ledger").methods}
