@@ -46,19 +46,22 @@ def python_callers(address: str, echo: str, request: pb.LookupRequest, seconds: 
     with the server, beside the message echo from the same callers."""
     data = request.SerializeToString()
 
-    def timed(method: str, address: str) -> Load:
+    def timed(method: str, target: str) -> Load:
         call: Callable[[bytes], Awaitable[bytes]] | None = None
 
         async def one() -> None:
             nonlocal call
             if call is None:  # made on the load's event loop
-                call = grpc.aio.insecure_channel(address).unary_unary(method)
+                call = grpc.aio.insecure_channel(target).unary_unary(method)
             await call(data)
 
         return load(one, concurrency=CONCURRENCY, seconds=seconds)
 
-    echo_message = timed("/bench.Echo/EchoMessage", echo)
-    return Rates(timed("/bench.Echo/Echo", echo), echo_message, timed(LOOKUP, address))
+    return Rates(
+        timed("/bench.Echo/Echo", echo),
+        timed("/bench.Echo/EchoMessage", echo),
+        timed(LOOKUP, address),
+    )
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ digest of what it reads back, as for a streamed get."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import secrets
@@ -167,8 +168,6 @@ def _unsuitable(fd: int, mode: Mode) -> str:
     """Why the server cannot use this descriptor as asked, or ''."""
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         return "only regular files can be handed off"
-    import fcntl
-
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     access = flags & os.O_ACCMODE
     if mode == "read" and access == os.O_WRONLY:

@@ -120,9 +120,7 @@ def unary(method: Callable[..., Any]) -> Handler:
     async def wrapper(self: _Service, request: Any, context: Any) -> Any:
         try:
             self.authorise(method.__name__, context)
-            if self.inline:
-                return method(self, request)
-            return await asyncio.to_thread(method, self, request)
+            return await self.call(method, self, request)
         except Exception as exc:
             await _abort(context, exc)
 
@@ -876,9 +874,9 @@ async def build_server(
     scrub: ScrubRunner | None = None,
 ) -> tuple[grpc.aio.Server, str]:
     """An asyncio gRPC server with the vault's services, health and reflection; returns it and
-        where it listens (the real port when `listen` asked for port 0); `await server.start()`
-        next. Without `gate`, local mode: no credential is asked for; with `tokens`, administrators
-        manage them over the Tokens service; with `desk`, clients on this host may hand files over
+    where it listens (the real port when `listen` asked for port 0); `await server.start()`
+    next. Without `gate`, local mode: no credential is asked for; with `tokens`, administrators
+    manage them over the Tokens service; with `desk`, clients on this host may hand files over
     (vault/handoff.py); with `scrub`, Store.Scrub checks every tier on demand."""
     gate = gate or Gate()
     server = grpc.aio.server(options=SERVER_OPTIONS)
