@@ -15,7 +15,7 @@ import grpc
 from bench.common import row, vault_server
 from bench.rates import compare
 from vault.client import VaultClient
-from vault.dataset import FileEntry, build_manifest, encode_manifest
+from vault.store.manifest import FileEntry, build_manifest, encode_manifest
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 

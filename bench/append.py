@@ -23,9 +23,9 @@ import grpc
 
 from bench.common import vault_server
 from bench.rates import compare
-from vault.db import open_database
-from vault.entry import Entry, now
-from vault.merkle import leaf_hash
+from vault.ledger.db import open_database
+from vault.ledger.entry import Entry, now
+from vault.ledger.merkle import leaf_hash
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 

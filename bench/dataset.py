@@ -25,8 +25,8 @@ from pathlib import Path
 
 from bench.common import vault_server
 from vault.client import VaultClient
-from vault.dataset import add_dataset
-from vault.hashcache import HashCache
+from vault.runs.dataset import add_dataset
+from vault.store.hashcache import HashCache
 
 
 def make_tree(root: Path, files: int) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from vault.service import SERVER_OPTIONS
+from vault.server.service import SERVER_OPTIONS
 from vault.wire import pinvault_pb2 as pb
 
 

@@ -53,7 +53,7 @@ from tiers.hot import HotTier
 from tiers.manager import TierManager
 from vault.client import VaultClient
 from vault.digest import Digest
-from vault.storage import BlobStore, put_file
+from vault.store.protocol import BlobStore, put_file
 
 GOAL = 0.80
 _LABELS = (

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from bench.common import make_file, row, vault_server
-from vault.allocator import keep_freed_buffers
 from vault.client import VaultClient
+from vault.store.allocator import keep_freed_buffers
 
 
 def openssl(path: Path) -> float:

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 from bench.common import vault_server
-from vault.checkpoint import SigningKey
 from vault.client import VaultClient
-from vault.db import open_database
-from vault.ledger import Ledger, PinSpec
+from vault.ledger.checkpoint import SigningKey
+from vault.ledger.db import open_database
+from vault.ledger.log import Ledger, PinSpec
 
 ORIGIN = "bench.pinvault/verify"
 

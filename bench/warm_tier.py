@@ -23,7 +23,7 @@ from pathlib import Path
 from bench.common import row
 from tiers.warm import WarmTier
 from vault.digest import Digest
-from vault.storage import put_bytes
+from vault.store.protocol import put_bytes
 
 GOAL = 5000
 SYNC_EVERY = 1000

@@ -12,9 +12,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from vault.auth import ROLES, check_name, check_role
 from vault.client import VaultClient
 from vault.config import Config
+from vault.server.auth import ROLES, check_name, check_role
 
 Connect = Callable[[Config], VaultClient]
 
@@ -62,7 +62,7 @@ def add_access_commands(sub: Any, connect: Connect) -> None:
 def _create(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
     if args.offline:
         from cli.serve import connect as open_db
-        from vault.tokens import TokenStore
+        from vault.server.tokens import TokenStore
 
         db = open_db(config.database_url)
         store = TokenStore(db)

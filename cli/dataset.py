@@ -12,9 +12,9 @@ from typing import Any
 
 from vault.client import VaultClient
 from vault.config import Config
-from vault.dataset import add_dataset, checkout_dataset, diff_datasets
 from vault.digest import Digest
-from vault.hashcache import HashCache, default_path
+from vault.runs.dataset import add_dataset, checkout_dataset, diff_datasets
+from vault.store.hashcache import HashCache, default_path
 
 Connect = Callable[[Config], VaultClient]
 

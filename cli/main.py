@@ -20,11 +20,10 @@ from cli.progress import Progress
 from cli.run import add_run_commands
 from cli.tier import add_tier_commands
 from vault import config as config_module
-from vault.allocator import keep_freed_buffers
 from vault.client import BlobInfo, ProvenEntry, VaultClient
-from vault.config import Config, open_client
+from vault.client.connect import open_client
+from vault.config import Config
 from vault.digest import Digest
-from vault.entry import KINDS, Entry
 from vault.errors import (
     FailedPrecondition,
     IntegrityError,
@@ -36,6 +35,8 @@ from vault.errors import (
     Unavailable,
     VaultError,
 )
+from vault.ledger.entry import KINDS, Entry
+from vault.store.allocator import keep_freed_buffers
 
 # The status a user is told: the one the server answered with, or the one it would give the
 # same error found before any request. A failed proof or signature check (VerificationError)

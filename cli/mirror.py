@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from tiers.policy import size_text
 from vault.config import Config
 from vault.errors import IntegrityError, InvalidArgument, Unavailable
-from vault.storage import BlobStore, Closing
+from vault.store.protocol import BlobStore, Closing
 
 # The mirror modules (and botocore under them) load only when a mirror command or a server
 # with mirrors needs them: every `vault` command, the Slurm plugin's too, starts quicker.

@@ -16,11 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from vault.client import Admission, VaultClient
-from vault.config import Config
-from vault.digest import Digest
-from vault.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from vault.run import load_run_manifest
-from vault.runid import (
+from vault.config import (
     ENV_CONFIG,
     ENV_DATASET,
     ENV_IMAGE,
@@ -30,8 +26,12 @@ from vault.runid import (
     ENV_SCRIPT,
     ENV_SEED,
     ENV_TEAM,
-    parse_seed,
+    Config,
 )
+from vault.digest import Digest
+from vault.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from vault.ledger.runid import parse_seed
+from vault.runs.library import load_run_manifest
 
 Connect = Callable[[Config], VaultClient]
 

@@ -16,18 +16,18 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from cli.mirror import mirrors_configured, open_replicating_store
 from cli.tier import open_tiered_store, scrub_runner, start_tier_workers, warm_configured
 from tiers.hot import HotTier
-from vault.admission import AdmissionPolicy, Admitter
-from vault.auth import MODES, Gate
-from vault.checkpoint import SigningKey
 from vault.config import Config
-from vault.content import Content
-from vault.db import Database, open_database
 from vault.errors import InvalidArgument, Unavailable
-from vault.handoff import Desk
-from vault.ledger import Ledger
-from vault.service import ScrubRunner, build_server
-from vault.storage import BlobStore, Closing
-from vault.tokens import TokenStore
+from vault.ledger.checkpoint import SigningKey
+from vault.ledger.db import Database, open_database
+from vault.ledger.log import Ledger
+from vault.server.admission import AdmissionPolicy, Admitter
+from vault.server.auth import MODES, Gate
+from vault.server.content import Content
+from vault.server.service import ScrubRunner, build_server
+from vault.server.tokens import TokenStore
+from vault.store.handoff import Desk
+from vault.store.protocol import BlobStore, Closing
 
 log = logging.getLogger("pinvault")
 

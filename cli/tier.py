@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from vault.config import Config
 from vault.errors import IntegrityError, Unavailable
-from vault.storage import BlobStore
+from vault.store.protocol import BlobStore
 
 # The tier modules load only when a tier command or a server with tiers needs them: every
 # `vault` command, the Slurm plugin's too, starts quicker.
@@ -25,9 +25,9 @@ if TYPE_CHECKING:
     from tiers.hot import HotTier
     from tiers.manager import TierManager
     from tiers.migrate import Migrator, MirrorCopies
-    from vault.db import Database
     from vault.digest import Digest
-    from vault.service import ScrubRunner
+    from vault.ledger.db import Database
+    from vault.server.service import ScrubRunner
 
 TIER_JOURNAL = "tiers.db"
 
@@ -157,8 +157,8 @@ def _migrator(
 
 def _kinds_of(db: Database) -> Callable[[list[Digest]], dict[Digest, set[str]]]:
     """The kinds each blob is pinned as, by either of its digests, from the ledger."""
-    from vault.db import placeholders
     from vault.digest import Digest
+    from vault.ledger.db import placeholders
 
     def kinds(digests: list[Digest]) -> dict[Digest, set[str]]:
         found: dict[Digest, set[str]] = {}
@@ -382,7 +382,7 @@ def _scrub_through_server(args: argparse.Namespace, config: Config) -> int:
     """The tiers are held by a running `vault serve`: it scrubs them (Store.Scrub)."""
     from cli.progress import Progress
     from tiers.scrub import ScrubStats
-    from vault.config import open_client
+    from vault.client.connect import open_client
 
     print(
         f"the tiers are held by a running vault serve: scrubbing through it "

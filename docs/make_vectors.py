@@ -9,10 +9,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vault.checkpoint import Checkpoint, SigningKey
+from vault.ledger.checkpoint import Checkpoint, SigningKey
 from vault.digest import blake3_of, sha256_of
-from vault.entry import ZERO_HASH, Entry, check_author, check_kind, check_meta, check_subjects
-from vault.merkle import MerkleTree, leaf_hash
+from vault.ledger.entry import (
+    ZERO_HASH,
+    Entry,
+    check_author,
+    check_kind,
+    check_meta,
+    check_subjects,
+)
+from vault.ledger.merkle import MerkleTree, leaf_hash
 
 DOCS = Path(__file__).resolve().parent
 JSON_PATH = DOCS / "ledger-vectors.json"

@@ -15,7 +15,7 @@ from typing import Final
 from tiers.cold import ColdTier
 from vault.digest import Digest
 from vault.errors import InvalidArgument, Unavailable
-from vault.storage import Closing
+from vault.store.protocol import Closing
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
 _SEPARATORS = re.compile(r"[\s,]+")

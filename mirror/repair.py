@@ -12,7 +12,7 @@ from mirror.queue import ReplicationQueue
 from mirror.replicate import copy_to_mirror
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound, Unavailable, VaultError
-from vault.storage import BlobStore, copy_blob
+from vault.store.protocol import BlobStore, copy_blob
 
 LOCAL = "local"
 

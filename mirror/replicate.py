@@ -15,7 +15,7 @@ from mirror.mirrors import Mirror, MirrorSet
 from mirror.queue import Pending, ReplicationQueue
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound, Unavailable, VaultError
-from vault.storage import BlobStore, copy_blob
+from vault.store.protocol import BlobStore, copy_blob
 
 log = logging.getLogger("pinvault.mirror")
 

@@ -10,7 +10,7 @@ from mirror.queue import ReplicationQueue
 from mirror.replicate import Replicator
 from vault.digest import Digest
 from vault.errors import NotFound, Unavailable
-from vault.storage import (
+from vault.store.protocol import (
     BlobInfo,
     BlobStore,
     BlobWriter,

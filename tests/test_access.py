@@ -13,10 +13,10 @@ import pytest
 
 from tests.conftest import StartVault
 from tests.services.vault_server import VaultServer, run_vault
-from vault.auth import PERMISSIONS
 from vault.client import Credentials, VaultClient
-from vault.dataset import build_manifest, encode_manifest
 from vault.errors import PermissionDenied, Unauthenticated, Unavailable
+from vault.server.auth import PERMISSIONS
+from vault.store.manifest import build_manifest, encode_manifest
 from vault.wire import pinvault_pb2 as pb
 
 CREDENTIALS = {"PINVAULT_AUTH_MODE": "credentials"}

@@ -16,7 +16,6 @@ import pytest
 from tests.conftest import StartVault
 from tests.services.vault_server import VaultServer, run_vault
 from vault.client import Admission, VaultClient
-from vault.dataset import FileEntry, build_manifest, encode_manifest
 from vault.errors import (
     FailedPrecondition,
     IntegrityError,
@@ -25,7 +24,8 @@ from vault.errors import (
     PermissionDenied,
     QuotaExceeded,
 )
-from vault.runid import RunInputs
+from vault.ledger.runid import RunInputs
+from vault.store.manifest import FileEntry, build_manifest, encode_manifest
 from vault.wire import pinvault_pb2 as pb
 
 # Re-hash inputs on every admission, so a damaged byte is caught by the next job.

@@ -23,7 +23,7 @@ from tests.conftest import StartVault
 from tests.services.agent import AdmissionAgent
 from tests.services.vault_server import VAULT_COMMAND, VaultServer, command_env
 from tests.test_slurm import short_dir
-from vault.runid import RunInputs
+from vault.ledger.runid import RunInputs
 
 SEED = "0xC0FFEE"
 

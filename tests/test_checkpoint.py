@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from vault.checkpoint import Checkpoint, SigningKey, Verifier
 from vault.errors import InvalidArgument, VerificationError
-from vault.merkle import EMPTY_ROOT, leaf_hash
+from vault.ledger.checkpoint import Checkpoint, SigningKey, Verifier
+from vault.ledger.merkle import EMPTY_ROOT, leaf_hash
 
 ORIGIN = "pinvault.test/ledger"
 

@@ -28,11 +28,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from tests.services.vault_server import VAULT_COMMAND, VaultServer, command_env
-from vault.checkpoint import Verifier
-from vault.entry import KINDS, Entry
 from vault.errors import IntegrityError, VerificationError
-from vault.merkle import verify_consistency, verify_inclusion
-from vault.storage import CHUNK_SIZE
+from vault.ledger.checkpoint import Verifier
+from vault.ledger.entry import KINDS, Entry
+from vault.ledger.merkle import verify_consistency, verify_inclusion
+from vault.store.protocol import CHUNK_SIZE
 from vault.wire import pinvault_pb2 as pb
 
 MiB = CHUNK_SIZE

@@ -14,9 +14,9 @@ import pytest
 
 from tests.conftest import StartVault
 from tests.services.vault_server import VaultServer, run_vault
-from vault.checkpoint import SigningKey, Verifier
 from vault.client import VaultClient
 from vault.errors import RollbackError, VerificationError
+from vault.ledger.checkpoint import SigningKey, Verifier
 
 ORIGIN = "trust.test/ledger"
 ENV = {"PINVAULT_LEDGER_ORIGIN": ORIGIN}

@@ -19,7 +19,7 @@ from tests.tier_contract import LARGE, TierContract, content, read_all
 from tiers.cold import MIN_PART_SIZE, ColdLayout, ColdTier
 from vault.digest import Digest, sha256_of
 from vault.errors import IntegrityError, NotFound, Unavailable
-from vault.storage import (
+from vault.store.protocol import (
     CHUNK_SIZE,
     SHA_QUEUE_DEPTH,
     BlobStore,

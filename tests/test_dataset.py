@@ -17,16 +17,11 @@ import pytest
 
 from tests.conftest import StartVault
 from tests.services.vault_server import VaultServer
-from vault import dataset
-from vault.dataset import (
-    FileEntry,
-    add_dataset,
-    build_manifest,
-    decode_manifest,
-    encode_manifest,
-)
 from vault.errors import InvalidArgument
-from vault.hashcache import RACY, HashCache
+from vault.runs import dataset
+from vault.runs.dataset import add_dataset
+from vault.store.hashcache import RACY, HashCache
+from vault.store.manifest import FileEntry, build_manifest, decode_manifest, encode_manifest
 
 
 def sha256(data: bytes) -> str:

@@ -18,7 +18,7 @@ from sqlalchemy.exc import DBAPIError
 from tests.conftest import StartVault
 from tests.services.postgres import PostgresServer
 from tests.services.vault_server import VaultServer
-from vault.checkpoint import Verifier
+from vault.ledger.checkpoint import Verifier
 
 ORIGIN = "engines.test/ledger"
 ENV = {"PINVAULT_LEDGER_ORIGIN": ORIGIN}

@@ -32,7 +32,7 @@ from tiers.warm import SMALL_LIMIT, WarmTier
 from vault.client import VaultClient
 from vault.digest import Digest, sha256_of
 from vault.errors import VaultError
-from vault.storage import CHUNK_SIZE, BlobStore, get_bytes
+from vault.store.protocol import CHUNK_SIZE, BlobStore, get_bytes
 from vault.wire import pinvault_pb2 as pb
 
 pytestmark = pytest.mark.s3

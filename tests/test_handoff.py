@@ -19,11 +19,12 @@ import pytest
 from tests.conftest import StartVault
 from tests.services.vault_server import VaultServer
 from tests.test_access import Vault, vault  # noqa: F401  (the fixture)
-from vault import client as vault_client
 from vault.client import VaultClient
+from vault.client import client as vault_client
+from vault.client.handoff import HANDOFF_MIN, Mode, hand_off
 from vault.errors import IntegrityError, InvalidArgument, PermissionDenied, Unavailable
-from vault.handoff import HANDOFF_MIN, MAX_PARKED, Mode, hand_off
-from vault.storage import CHUNK_SIZE
+from vault.store.handoff import MAX_PARKED
+from vault.store.protocol import CHUNK_SIZE
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 

@@ -17,7 +17,7 @@ from tiers import hot
 from tiers.hot import SLOT, SLOTS, SYNC_EVERY, HotTier
 from vault.digest import Digest, sha256_of
 from vault.errors import IntegrityError
-from vault.storage import (
+from vault.store.protocol import (
     CHUNK_SIZE,
     BlobInfo,
     BlobStore,

@@ -12,9 +12,15 @@ from typing import Any
 
 import pytest
 
-from vault.checkpoint import Checkpoint, SigningKey, Verifier
-from vault.entry import ZERO_HASH, Entry
-from vault.merkle import CompactRange, MerkleTree, leaf_hash, verify_consistency, verify_inclusion
+from vault.ledger.checkpoint import Checkpoint, SigningKey, Verifier
+from vault.ledger.entry import ZERO_HASH, Entry
+from vault.ledger.merkle import (
+    CompactRange,
+    MerkleTree,
+    leaf_hash,
+    verify_consistency,
+    verify_inclusion,
+)
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 VECTORS: dict[str, Any] = json.loads((DOCS / "ledger-vectors.json").read_text("utf-8"))

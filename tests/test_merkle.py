@@ -8,7 +8,7 @@ import hashlib
 import pytest
 
 from vault.errors import VerificationError
-from vault.merkle import (
+from vault.ledger.merkle import (
     EMPTY_ROOT,
     CompactRange,
     MerkleTree,

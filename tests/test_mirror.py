@@ -27,7 +27,7 @@ from tiers.hot import HotTier
 from vault import config as config_module
 from vault.config import Config
 from vault.digest import Digest, sha256_of
-from vault.storage import get_bytes, put_bytes
+from vault.store.protocol import get_bytes, put_bytes
 
 pytestmark = pytest.mark.s3
 

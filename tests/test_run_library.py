@@ -20,25 +20,19 @@ from typing import Any
 
 import pytest
 
-import vault.run
+import vault.runs.library
 from tests.services.vault_server import REPO_ROOT, VaultServer, command_env
+from vault.canonical import canonical_json
 from vault.client import Admission, VaultClient
-from vault.dataset import add_dataset
-from vault.entry import canonical_json
 from vault.errors import (
     FailedPrecondition,
     IntegrityError,
     InvalidArgument,
     VerificationError,
 )
-from vault.run import (
-    CheckpointManifest,
-    Run,
-    RunManifest,
-    load_run_manifest,
-    start,
-)
-from vault.runid import RunInputs
+from vault.ledger.runid import RunInputs
+from vault.runs.dataset import add_dataset
+from vault.runs.library import CheckpointManifest, Run, RunManifest, load_run_manifest, start
 
 
 def sha256(data: bytes) -> str:
@@ -256,7 +250,7 @@ JOB = textwrap.dedent(
     import json, os, signal, sys
     import vault.run
 
-    run = vault.run.start()
+    run = vault.runs.library.start()
     action = sys.argv[1]
     if action == "crash":
         run.checkpoint(1, {"model.bin": b"weights at step 1", "opt/state.bin": b"adam 1"})
@@ -369,7 +363,9 @@ def test_a_checkpoint_whose_pin_fails_is_not_the_latest(
         assert (tmp_path / "restore" / "weights.bin").read_bytes() == b"newest"
 
         # The manifest blob is exactly the documented canonical form.
-        manifest = json.loads(vault.run.load_checkpoint_manifest(other, first.digest).encode())
+        manifest = json.loads(
+            vault.runs.library.load_checkpoint_manifest(other, first.digest).encode()
+        )
         assert manifest == {
             "type": "pinvault.checkpoint",
             "v": 1,
@@ -567,9 +563,9 @@ def valid_manifest() -> RunManifest:
     return RunManifest.checked(
         inputs=inputs,
         team="t",
-        environment=vault.run.Environment("h", "3.11.7", "Linux", {"SLURM_JOB_ID": "1"}),
-        outputs=[vault.run.FileRecord("a.txt", sha256(b"a"), 1)],
-        checkpoints=[vault.run.CheckpointRef(3, sha256(b"c"))],
+        environment=vault.runs.library.Environment("h", "3.11.7", "Linux", {"SLURM_JOB_ID": "1"}),
+        outputs=[vault.runs.library.FileRecord("a.txt", sha256(b"a"), 1)],
+        checkpoints=[vault.runs.library.CheckpointRef(3, sha256(b"c"))],
     )
 
 
@@ -650,7 +646,7 @@ def test_manifests_round_trip_and_oversized_ones_are_refused_before_reading(
             RunManifest.decode(b" " * 65)
 
     checkpoint = CheckpointManifest.checked(
-        run=sha256(b"r"), step=1, files=[vault.run.FileRecord("a/b", sha256(b"x"), 1)]
+        run=sha256(b"r"), step=1, files=[vault.runs.library.FileRecord("a/b", sha256(b"x"), 1)]
     )
     assert CheckpointManifest.decode(checkpoint.encode()) == checkpoint
     with pytest.raises(InvalidArgument, match="'a' is a file and also the folder of 'a/b'"):
@@ -658,8 +654,8 @@ def test_manifests_round_trip_and_oversized_ones_are_refused_before_reading(
             run=sha256(b"r"),
             step=1,
             files=[
-                vault.run.FileRecord("a/b", sha256(b"x"), 1),
-                vault.run.FileRecord("a", sha256(b"x"), 1),
+                vault.runs.library.FileRecord("a/b", sha256(b"x"), 1),
+                vault.runs.library.FileRecord("a", sha256(b"x"), 1),
             ],
         )
     with pytest.raises(InvalidArgument, match="a checkpoint needs at least one file"):

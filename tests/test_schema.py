@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Connection, select, text
 
-from vault import db as tables
-from vault.checkpoint import SigningKey
-from vault.db import SCHEMA_VERSION, SchemaError, open_database
-from vault.ledger import Ledger, PinSpec
+from vault.ledger import db as tables
+from vault.ledger.checkpoint import SigningKey
+from vault.ledger.db import SCHEMA_VERSION, SchemaError, open_database
+from vault.ledger.log import Ledger, PinSpec
 
 
 def _pin(n: int) -> PinSpec:

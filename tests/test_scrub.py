@@ -16,7 +16,7 @@ from tiers.manager import TierManager
 from tiers.maphash import MapHasher
 from tiers.scrub import Scrubber
 from tiers.warm import WarmTier
-from vault.storage import get_bytes, put_bytes
+from vault.store.protocol import get_bytes, put_bytes
 
 
 def test_scrub_finds_a_flipped_bit_repairs_it_and_journals_every_check(tmp_path: Path) -> None:

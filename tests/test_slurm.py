@@ -31,7 +31,7 @@ from tests.services.agent import AdmissionAgent
 from tests.services.slurm import SlurmCluster
 from tests.services.vault_server import VAULT_COMMAND, VaultRun, VaultServer
 from vault.client import VaultClient
-from vault.run import load_run_manifest
+from vault.runs.library import load_run_manifest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = REPO_ROOT / "slurm" / "job_submit.lua"
@@ -534,7 +534,7 @@ mkdir -p "run-$SLURM_JOB_ID" && cd "run-$SLURM_JOB_ID" || exit 1
 exec {sys.executable} - <<'PY'
 import vault.run
 
-with vault.run.start() as run:
+with vault.runs.library.start() as run:
     rng = run.rng()
     weights = bytes(rng.getrandbits(8) for _ in range(50_000))
     run.checkpoint(1, {{"weights.bin": weights}})

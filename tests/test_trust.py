@@ -8,10 +8,10 @@ import re
 
 import pytest
 
-from vault.checkpoint import Checkpoint, SigningKey
+from vault.client.trust import TrustedLog
 from vault.errors import InvalidArgument, RollbackError, VerificationError
-from vault.merkle import EMPTY_ROOT, MerkleTree, leaf_hash
-from vault.trust import TrustedLog
+from vault.ledger.checkpoint import Checkpoint, SigningKey
+from vault.ledger.merkle import EMPTY_ROOT, MerkleTree, leaf_hash
 
 ORIGIN = "pinvault.test/ledger"
 KEY = SigningKey(ORIGIN, bytes(range(32)))

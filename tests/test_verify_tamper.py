@@ -17,8 +17,8 @@ import pytest
 
 from tests.conftest import StartVault
 from tests.services.vault_server import VaultRun, VaultServer
-from vault.checkpoint import Checkpoint, SigningKey
-from vault.entry import KINDS, Entry
+from vault.ledger.checkpoint import Checkpoint, SigningKey
+from vault.ledger.entry import KINDS, Entry
 
 ORIGIN = "tamper.test/ledger"
 ENV = {"PINVAULT_LEDGER_ORIGIN": ORIGIN}

@@ -22,7 +22,7 @@ from tests.tier_contract import LARGE, TierContract, content, read_all
 from tiers.warm import PACK_SUFFIX, WarmTier
 from vault.digest import Digest, sha256_of
 from vault.errors import FailedPrecondition, IntegrityError, NotFound, Unavailable
-from vault.storage import (
+from vault.store.protocol import (
     CHUNK_SIZE,
     BlobInfo,
     BlobStore,

@@ -13,7 +13,7 @@ import pytest
 
 from vault.digest import Digest, blake3_of, sha256_of
 from vault.errors import IntegrityError, InvalidArgument, NotFound
-from vault.storage import (
+from vault.store.protocol import (
     CHUNK_SIZE,
     BlobInfo,
     BlobStore,

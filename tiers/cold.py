@@ -24,7 +24,7 @@ from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[impor
 
 from vault.digest import Digest
 from vault.errors import IntegrityError, InvalidArgument, NotFound, Unavailable
-from vault.storage import (
+from vault.store.protocol import (
     CHUNK_SIZE,
     HASH_SIZE,
     BlobHasher,

@@ -24,7 +24,7 @@ import blake3
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound
 from vault.files import fsync_dir, write_all
-from vault.storage import (
+from vault.store.protocol import (
     CHUNK_SIZE,
     BatchBlob,
     BatchPut,

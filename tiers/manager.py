@@ -18,7 +18,7 @@ from typing import Final
 from tiers.hot import HotTier
 from vault.digest import Digest
 from vault.errors import IntegrityError, InvalidArgument, NotFound, Unavailable, VaultError
-from vault.storage import (
+from vault.store.protocol import (
     CHUNK_SIZE,
     BlobInfo,
     BlobStore,

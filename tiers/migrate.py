@@ -17,7 +17,7 @@ from tiers.policy import COLD, HOT, WARM, BlobFacts, Decision, plan
 from tiers.worker import Worker
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound, VaultError
-from vault.storage import BlobStore, copy_blob
+from vault.store.protocol import BlobStore, copy_blob
 
 if TYPE_CHECKING:
     from vault.config import PolicyConfig

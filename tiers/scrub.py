@@ -22,7 +22,7 @@ from tiers.maphash import MapHasher
 from tiers.worker import Worker
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound, Unavailable, VaultError
-from vault.storage import BlobStore, ChunkList
+from vault.store.protocol import BlobStore, ChunkList
 
 log = logging.getLogger("pinvault.tiers")
 

@@ -28,7 +28,7 @@ import zstandard
 from vault.digest import Digest
 from vault.errors import FailedPrecondition, IntegrityError, NotFound, Unavailable
 from vault.files import fsync_dir, pwrite_all, write_all
-from vault.storage import (
+from vault.store.protocol import (
     CHUNK_SIZE,
     BlobHasher,
     BlobInfo,

@@ -11,11 +11,37 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
-from vault.client import Credentials, VaultClient
 from vault.errors import InvalidArgument
-from vault.runid import JOB_VARIABLES
+
+# What a job carries in its environment: its pins, and what admission answered
+# (docs/run-manifest.md). They are the job's, not the `vault` command's configuration, which
+# skips them.
+ENV_IMAGE: Final = "PINVAULT_IMAGE"
+ENV_DATASET: Final = "PINVAULT_DATASET"
+ENV_CONFIG: Final = "PINVAULT_CONFIG_DIGEST"
+ENV_SEED: Final = "PINVAULT_SEED"
+ENV_TEAM: Final = "PINVAULT_TEAM"
+ENV_RUN_ID: Final = "PINVAULT_RUN_ID"
+ENV_REPLAY_OF: Final = "PINVAULT_REPLAY_OF"
+ENV_REPLAY_LEASE: Final = "PINVAULT_REPLAY_LEASE"
+# The batch script's digest, as `vault run` stored it: what `vault replay` submits again.
+ENV_SCRIPT: Final = "PINVAULT_SCRIPT"
+JOB_VARIABLES: Final = frozenset(
+    {
+        ENV_IMAGE,
+        ENV_DATASET,
+        ENV_CONFIG,
+        ENV_SEED,
+        ENV_TEAM,
+        ENV_RUN_ID,
+        ENV_REPLAY_OF,
+        ENV_REPLAY_LEASE,
+        ENV_SCRIPT,
+    }
+)
+
 
 ENV_PREFIX = "PINVAULT_"
 CONFIG_ENV = "PINVAULT_CONFIG"
@@ -298,42 +324,3 @@ def load(path: str | None = None, environ: Mapping[str, str] | None = None) -> C
             )
         config = apply(config, {section: {item: value}}, source)
     return config
-
-
-# ---------------------------------------------------------------------- the client
-
-
-def _read_file(what: str, path: str) -> bytes:
-    try:
-        return Path(path).expanduser().read_bytes()
-    except OSError as exc:
-        raise InvalidArgument(f"cannot read {what} {path}: {exc.strerror}") from None
-
-
-def credentials(config: Config) -> Credentials:
-    """The client's credentials from its config: a token, and TLS files (PEM)."""
-    client = config.client
-    token = client.token
-    if client.token_file:
-        token = _read_file("client.token_file", client.token_file).decode().strip()
-    if bool(client.cert_file) != bool(client.key_file):
-        raise InvalidArgument("mutual TLS needs both client.cert_file and client.key_file")
-    return Credentials(
-        token=token,
-        ca=_read_file("client.ca_file", client.ca_file) if client.ca_file else None,
-        cert=_read_file("client.cert_file", client.cert_file) if client.cert_file else None,
-        key=_read_file("client.key_file", client.key_file) if client.key_file else None,
-    )
-
-
-def open_client(config: Config) -> VaultClient:
-    """A client of the configured server, keeping its trust state where the command does."""
-    return VaultClient(
-        config.client.server,
-        state=config.state_path,
-        verifier_key=config.client.verifier_key or None,
-        author=config.client.author or None,
-        team=config.client.team or None,
-        timeout=config.client.timeout or None,
-        credentials=credentials(config),
-    )

@@ -1,10 +1,13 @@
-"""Durable-file helpers shared by the local tiers, dataset checkout and the run library:
-complete writes and folder syncs (a rename or a new file is durable only once its folder is
-synced)."""
+"""File helpers shared by the local tiers, dataset checkout, the run library and both halves of
+the file handoff: complete writes, folder syncs (a rename or a new file is durable only once
+its folder is synced), and Unix socket addresses of any length."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from typing import Final
 
 
 def write_all(fd: int, data: bytes | memoryview) -> None:
@@ -25,5 +28,24 @@ def fsync_dir(folder: str | os.PathLike[str]) -> None:
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# The longest path a Unix socket address holds on Linux, less its terminating zero.
+SOCKET_PATH_MAX: Final = 107
+
+
+@contextlib.contextmanager
+def unix_address(path: str) -> Iterator[str]:
+    """`path` as a Unix socket address: itself, or, when longer than an address holds, the
+    same socket reached through a descriptor of its folder."""
+    if len(os.fsencode(path)) <= SOCKET_PATH_MAX:
+        yield path
+        return
+    folder, name = os.path.split(path)
+    fd = os.open(folder or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{name}"
     finally:
         os.close(fd)

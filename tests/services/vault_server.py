@@ -21,8 +21,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.services.base import terminate
-from vault.checkpoint import SigningKey
 from vault.client import VaultClient
+from vault.ledger.checkpoint import SigningKey
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = Path(sys.executable).with_name("vault")

@@ -33,26 +33,20 @@ from pathlib import Path
 from typing import Final, Literal
 
 from vault.errors import InvalidArgument
+from vault.files import unix_address
 
 log = logging.getLogger(__name__)
 
 Mode = Literal["read", "write"]
 MODES: Final[tuple[Mode, ...]] = ("read", "write")
 
-# Below this size a transfer streams: the handoff's extra round trips cost more than the
-# copies through gRPC they save.
-HANDOFF_MIN: Final = 8 * 1024 * 1024
 TICKET_LIFETIME: Final = 60.0
 MAX_PARKED: Final = 64
-# The longest path a Unix socket address holds on Linux, less its terminating zero.
-SOCKET_PATH_MAX: Final = 107
 _GERUND: Final[dict[Mode, str]] = {"read": "reading", "write": "writing"}
 _READ_PIECE: Final = 4 * 1024 * 1024
-_ANSWER_MAX: Final = 1024
 # One connection is served at a time, and a client sends at once: one that does not holds the
 # socket up at most this long.
 _SEND_WITHIN: Final = 1.0
-_ANSWER_WITHIN: Final = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +69,7 @@ class Desk:
             path.unlink()  # left by a server that did not stop cleanly
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            with _address(os.fspath(path)) as address:
+            with unix_address(os.fspath(path)) as address:
                 self._listener.bind(address)
             self._listener.listen(64)
         except OSError:
@@ -177,47 +171,6 @@ def _unsuitable(fd: int, mode: Mode) -> str:
     if mode == "write" and flags & os.O_APPEND:
         return "a file handed off for writing must not be opened for appending"
     return ""
-
-
-def hand_off(socket_path: str, instance: str, fd: int, mode: Mode) -> str:
-    """The client's side: park `fd` at the server's handoff socket and return its ticket.
-    Raises OSError when the socket cannot be reached or answers for another server, or
-    refuses the file (the caller then streams instead)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-        connection.settimeout(_ANSWER_WITHIN)
-        with _address(socket_path) as address:
-            connection.connect(address)
-        socket.send_fds(connection, [mode.encode()], [fd])
-        answer = b""
-        while not answer.endswith(b"\n") and len(answer) < _ANSWER_MAX:
-            data = connection.recv(_ANSWER_MAX)
-            if not data:
-                break
-            answer += data
-    word, _, rest = answer.decode(errors="replace").strip().partition(" ")
-    if word == "ok":
-        theirs, _, ticket = rest.partition(" ")
-        if theirs != instance:
-            raise OSError(f"{socket_path} belongs to another vault server")
-        return ticket
-    if word == "error":
-        raise OSError(f"the handoff socket refused the file: {rest}")
-    raise OSError(f"the handoff socket at {socket_path} gave no answer")
-
-
-@contextlib.contextmanager
-def _address(path: str) -> Iterator[str]:
-    """`path` as a Unix socket address: itself, or, when longer than an address holds, the
-    same socket reached through a descriptor of its folder."""
-    if len(os.fsencode(path)) <= SOCKET_PATH_MAX:
-        yield path
-        return
-    folder, name = os.path.split(path)
-    fd = os.open(folder or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        yield f"/proc/self/fd/{fd}/{name}"
-    finally:
-        os.close(fd)
 
 
 def read_handed_off(fd: int, size: int) -> Iterator[bytes]:

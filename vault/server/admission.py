@@ -12,11 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from vault.content import Content
-from vault.dataset import MAX_MANIFEST_BYTES, decode_manifest
-from vault.db import Writer
 from vault.digest import Digest
-from vault.entry import Entry
 from vault.errors import (
     FailedPrecondition,
     IntegrityError,
@@ -25,8 +21,12 @@ from vault.errors import (
     PermissionDenied,
     QuotaExceeded,
 )
-from vault.ledger import Ledger, PinSpec, StoredEntry
-from vault.runid import RunInputs
+from vault.ledger.db import Writer
+from vault.ledger.entry import Entry
+from vault.ledger.log import Ledger, PinSpec, StoredEntry
+from vault.ledger.runid import RunInputs
+from vault.server.content import Content
+from vault.store.manifest import MAX_MANIFEST_BYTES, decode_manifest
 
 ADMITTED: Final = "admitted"
 MANIFEST: Final = "manifest"

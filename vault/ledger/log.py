@@ -17,10 +17,11 @@ from typing import Any, Final
 from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from vault import db as tables
-from vault.checkpoint import Checkpoint, SigningKey, Verifier
-from vault.db import Database, Writer
-from vault.entry import (
+from vault.errors import InvalidArgument, NotFound, Unavailable, VaultError, VerificationError
+from vault.ledger import db as tables
+from vault.ledger.checkpoint import Checkpoint, SigningKey, Verifier
+from vault.ledger.db import Database, Writer
+from vault.ledger.entry import (
     check_author,
     check_kind,
     check_meta,
@@ -28,8 +29,7 @@ from vault.entry import (
     encode_fields,
     now,
 )
-from vault.errors import InvalidArgument, NotFound, Unavailable, VaultError, VerificationError
-from vault.merkle import MerkleTree, leaf_hash
+from vault.ledger.merkle import MerkleTree, leaf_hash
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,9 @@ from typing import IO, Any, Final
 import blake3
 import grpc
 
-from vault.audit import Auditor, AuditReport
-from vault.checkpoint import Checkpoint, Verifier
+from vault.client.handoff import HANDOFF_MIN, Mode, hand_off
+from vault.client.trust import TrustedLog
 from vault.digest import Digest
-from vault.entry import Entry
 from vault.errors import (
     FailedPrecondition,
     IntegrityError,
@@ -39,10 +38,11 @@ from vault.errors import (
     VerificationError,
 )
 from vault.files import write_all
-from vault.handoff import HANDOFF_MIN, Mode, hand_off
-from vault.merkle import leaf_hash, verify_inclusion
-from vault.runid import RunInputs
-from vault.trust import TrustedLog
+from vault.ledger.audit import Auditor, AuditReport
+from vault.ledger.checkpoint import Checkpoint, Verifier
+from vault.ledger.entry import Entry
+from vault.ledger.merkle import leaf_hash, verify_inclusion
+from vault.ledger.runid import RunInputs
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 

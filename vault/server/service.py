@@ -18,9 +18,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from vault.admission import Admitted, Admitter, check_run_id
-from vault.auth import CALLER, Gate, Identity, caller
-from vault.content import Content, StoredBlob
 from vault.digest import Digest, check_digest
 from vault.errors import (
     FailedPrecondition,
@@ -35,11 +32,14 @@ from vault.errors import (
     VerificationError,
 )
 from vault.files import pwrite_all
-from vault.handoff import Desk, Mode, read_handed_off
-from vault.ledger import Ledger, LogFilter, PinSpec, SignedCheckpoint, StoredEntry
-from vault.runid import RunInputs
-from vault.storage import CHUNK_SIZE
-from vault.tokens import TokenInfo, TokenStore
+from vault.ledger.log import Ledger, LogFilter, PinSpec, SignedCheckpoint, StoredEntry
+from vault.ledger.runid import RunInputs
+from vault.server.admission import Admitted, Admitter, check_run_id
+from vault.server.auth import CALLER, Gate, Identity, caller
+from vault.server.content import Content, StoredBlob
+from vault.server.tokens import TokenInfo, TokenStore
+from vault.store.handoff import Desk, Mode, read_handed_off
+from vault.store.protocol import CHUNK_SIZE
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 

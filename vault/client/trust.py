@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from vault.checkpoint import Checkpoint, Verifier
 from vault.errors import InvalidArgument, RollbackError, VerificationError
-from vault.merkle import EMPTY_ROOT, HASH_SIZE, verify_consistency
+from vault.ledger.checkpoint import Checkpoint, Verifier
+from vault.ledger.merkle import EMPTY_ROOT, HASH_SIZE, verify_consistency
 
 _STATE_KEYS: Final = frozenset({"origin", "size", "root", "verifier"})
 

@@ -13,11 +13,19 @@ from typing import Final
 
 from sqlalchemy import select, text
 
-from vault import db as tables
-from vault.db import Database, Writer
 from vault.digest import Digest, check_digest
 from vault.errors import IntegrityError, InvalidArgument, NotFound, VaultError
-from vault.storage import BatchBlob, BlobInfo, BlobStore, Chunk, Placed, PlacementRecord, put_many
+from vault.ledger import db as tables
+from vault.ledger.db import Database, Writer
+from vault.store.protocol import (
+    BatchBlob,
+    BlobInfo,
+    BlobStore,
+    Chunk,
+    Placed,
+    PlacementRecord,
+    put_many,
+)
 
 _QUERY_BATCH: Final = 450
 

@@ -13,8 +13,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Final
 
+from vault.canonical import canonical_json, load_json_object
 from vault.digest import ALGORITHMS, Digest
-from vault.entry import canonical_json, load_json_object
 from vault.errors import InvalidArgument
 
 INPUTS_TYPE: Final = "pinvault.run-inputs"
@@ -22,33 +22,6 @@ INPUTS_VERSION: Final = 1
 MAX_SEED: Final = 2**64 - 1
 MAX_INPUTS_BYTES: Final = 4096
 _FIELDS: Final = frozenset({"type", "v", "image", "dataset", "config", "seed"})
-
-# What a job carries in its environment: its pins, and what admission answered
-# (docs/run-manifest.md). They are the job's, not the `vault` command's configuration, which
-# skips them.
-ENV_IMAGE: Final = "PINVAULT_IMAGE"
-ENV_DATASET: Final = "PINVAULT_DATASET"
-ENV_CONFIG: Final = "PINVAULT_CONFIG_DIGEST"
-ENV_SEED: Final = "PINVAULT_SEED"
-ENV_TEAM: Final = "PINVAULT_TEAM"
-ENV_RUN_ID: Final = "PINVAULT_RUN_ID"
-ENV_REPLAY_OF: Final = "PINVAULT_REPLAY_OF"
-ENV_REPLAY_LEASE: Final = "PINVAULT_REPLAY_LEASE"
-# The batch script's digest, as `vault run` stored it: what `vault replay` submits again.
-ENV_SCRIPT: Final = "PINVAULT_SCRIPT"
-JOB_VARIABLES: Final = frozenset(
-    {
-        ENV_IMAGE,
-        ENV_DATASET,
-        ENV_CONFIG,
-        ENV_SEED,
-        ENV_TEAM,
-        ENV_RUN_ID,
-        ENV_REPLAY_OF,
-        ENV_REPLAY_LEASE,
-        ENV_SCRIPT,
-    }
-)
 
 
 def parse_seed(value: str | int) -> int:

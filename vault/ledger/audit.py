@@ -10,10 +10,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from vault.checkpoint import Checkpoint, Verifier
-from vault.entry import FORMAT_VERSION, ZERO_HASH
 from vault.errors import VerificationError
-from vault.merkle import CompactRange
+from vault.ledger.checkpoint import Checkpoint, Verifier
+from vault.ledger.entry import FORMAT_VERSION, ZERO_HASH
+from vault.ledger.merkle import CompactRange
 
 _DECODER = json.JSONDecoder()
 

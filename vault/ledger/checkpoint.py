@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from vault.errors import InvalidArgument, VerificationError
-from vault.merkle import HASH_SIZE
+from vault.ledger.merkle import HASH_SIZE
 
 ALG_ED25519: Final = 0x01
 MAX_NOTE_BYTES: Final = 1 << 20

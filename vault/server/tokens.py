@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
 
-from vault.auth import TOKEN_PREFIX, Identity, check_name, check_role
-from vault.db import Database, Writer
 from vault.errors import NotFound, Unauthenticated
+from vault.ledger.db import Database, Writer
+from vault.server.auth import TOKEN_PREFIX, Identity, check_name, check_role
 
 # A revocation reaches every server within this many seconds.
 TOKEN_CACHE_SECONDS: Final = 5.0

@@ -23,20 +23,10 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Self
 
 from vault import config
-from vault.client import ProvenEntry, VaultClient, read_all
-from vault.config import open_client
-from vault.dataset import check_path
-from vault.digest import Digest
-from vault.entry import Entry, canonical_json, expect_fields, load_json_object
-from vault.errors import (
-    FailedPrecondition,
-    IntegrityError,
-    InvalidArgument,
-    NotFound,
-    VerificationError,
-)
-from vault.files import fsync_dir
-from vault.runid import (
+from vault.canonical import canonical_json, expect_fields, load_json_object
+from vault.client.client import ProvenEntry, VaultClient, read_all
+from vault.client.connect import open_client
+from vault.config import (
     ENV_CONFIG,
     ENV_DATASET,
     ENV_IMAGE,
@@ -46,9 +36,19 @@ from vault.runid import (
     ENV_SCRIPT,
     ENV_SEED,
     ENV_TEAM,
-    MAX_INPUTS_BYTES,
-    RunInputs,
 )
+from vault.digest import Digest
+from vault.errors import (
+    FailedPrecondition,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    VerificationError,
+)
+from vault.files import fsync_dir
+from vault.ledger.entry import Entry
+from vault.ledger.runid import MAX_INPUTS_BYTES, RunInputs
+from vault.store.manifest import check_path
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
@@ -519,8 +519,8 @@ def start(
 
 
 class Run:
-    """One run, inside its job. Use `start()`, as `with vault.run.start() as run:`; leaving the
-    block normally publishes the run manifest, leaving it by an exception publishes nothing."""
+    """One run, inside its job. Use `start()`, as `with vault.runs.start() as run:`; leaving
+    the block normally publishes the run manifest, leaving it by an exception publishes nothing."""
 
     def __init__(
         self,
