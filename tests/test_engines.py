@@ -4,6 +4,7 @@ concurrently to one PostgreSQL that keep one linear, valid ledger."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import subprocess
@@ -97,6 +98,79 @@ def test_the_database_refuses_to_change_or_delete_ledger_rows(server: VaultServe
     finally:
         engine.dispose()
     assert "ledger OK" in server.run("verify").ok().stdout
+
+
+SQLITE_REWRITES = [
+    "INSERT OR REPLACE INTO entries SELECT * FROM entries WHERE idx = 0",
+    "REPLACE INTO entries SELECT * FROM entries WHERE idx = 0",
+    "INSERT OR REPLACE INTO entry_subjects SELECT * FROM entry_subjects",
+    "REPLACE INTO checkpoints SELECT * FROM checkpoints",
+    "INSERT OR REPLACE INTO blobs SELECT * FROM blobs",
+    "REPLACE INTO ledger_head SELECT * FROM ledger_head",
+]
+POSTGRES_REWRITES = [
+    "INSERT INTO entries SELECT * FROM entries WHERE idx = 0 "
+    "ON CONFLICT (idx) DO UPDATE SET kind = 'image'",
+    "INSERT INTO checkpoints SELECT * FROM checkpoints ON CONFLICT (size) DO UPDATE SET note = ''",
+    "INSERT INTO blobs SELECT * FROM blobs ON CONFLICT (sha256) DO UPDATE SET size = 0",
+    "TRUNCATE blobs",
+    "TRUNCATE ledger_head",
+]
+EVERY_ENGINE_REWRITES = [
+    # A subject added to an entry already in the ledger would list it under another digest.
+    "INSERT INTO entry_subjects (digest, idx) VALUES ('sha256:" + "0" * 64 + "', 0)",
+    "UPDATE blobs SET size = 0",
+    "UPDATE blobs SET stored_at = ''",
+    "DELETE FROM blobs",
+    "DELETE FROM ledger_head",
+    "UPDATE ledger_head SET size = size - 1",
+    "UPDATE ledger_head SET size = size + 1",
+    "UPDATE ledger_head SET size = 0",
+    "UPDATE ledger_head SET last_leaf = (SELECT leaf_hash FROM entries WHERE idx = 0)",
+]
+
+
+def test_the_database_refuses_every_write_but_an_append(
+    server: VaultServer, tmp_path: Path
+) -> None:
+    """Each statement form that could rewrite history, the head or the blob catalogue is
+    refused by the database itself, and the ledger still verifies after the attempts."""
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"catalogued")
+    with server.client() as client:
+        digest = client.put(blob).blob.sha256
+        client.pin("artefact", str(digest))
+        client.pin("config", "sha256:" + hashlib.sha256(b"second").hexdigest(), external=True)
+    statements = EVERY_ENGINE_REWRITES + (
+        SQLITE_REWRITES if server.database is None else POSTGRES_REWRITES
+    )
+    engine = sa.create_engine(database_url(server))
+    tables = ("entries", "entry_subjects", "checkpoints", "blobs", "ledger_head")
+
+    def snapshot() -> dict[str, list[tuple[object, ...]]]:
+        with engine.connect() as conn:
+            return {
+                t: [tuple(r) for r in conn.execute(sa.text(f"SELECT * FROM {t} ORDER BY 1, 2"))]
+                if t != "ledger_head"
+                else [tuple(r) for r in conn.execute(sa.text("SELECT * FROM ledger_head"))]
+                for t in tables
+            }
+
+    try:
+        before = snapshot()
+        refused = []
+        for statement in statements:
+            with contextlib.suppress(DBAPIError), engine.begin() as conn:
+                conn.execute(sa.text(statement))
+                continue
+            refused.append(statement)
+        assert refused == statements, "accepted: " + repr(sorted(set(statements) - set(refused)))
+        assert snapshot() == before
+    finally:
+        engine.dispose()
+    assert "ledger OK" in server.run("verify").ok().stdout
+    with server.client() as client:
+        client.pin("config", "sha256:" + hashlib.sha256(b"third").hexdigest(), external=True)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import Connection, select, text
+from sqlalchemy.exc import DBAPIError
 
 from vault.ledger import db as tables
 from vault.ledger.checkpoint import SigningKey
@@ -90,8 +91,56 @@ def test_a_version_1_database_gains_the_replay_and_token_tables(tmp_path: Path) 
 
     db = open_database(url)
     with db.read.connect() as conn:
-        assert conn.execute(select(tables.schema_version.c.version)).scalar_one() == 2
+        assert conn.execute(select(tables.schema_version.c.version)).scalar_one() == SCHEMA_VERSION
         assert conn.execute(select(tables.replay_leases.c.lease)).all() == []
         assert conn.execute(select(tables.tokens.c.token_id)).all() == []
         assert len(conn.execute(select(tables.entries.c.idx)).all()) == 3
+    db.dispose()
+
+
+def test_a_version_2_database_gains_the_rewrite_guards_and_still_verifies(tmp_path: Path) -> None:
+    """Schema 3 adds the triggers that refuse REPLACE over ledger rows, a head moved by hand and
+    changes to the blob catalogue; every entry's bytes, leaf hash and checkpoint stay as they
+    were written."""
+    url = f"sqlite:///{tmp_path / 'v.db'}"
+    key = SigningKey.generate("schema.test/ledger")
+    db = open_database(url)
+    ledger = Ledger(db, key, origin="schema.test/ledger")
+    ledger.append([_pin(n) for n in range(5)])
+    note = ledger.checkpoint(5).note
+    ledger.close()
+    schema_3 = (
+        "entries_no_insert_below_head",
+        "entry_subjects_no_insert_below_head",
+        "checkpoints_no_replace",
+        "blobs_no_replace",
+        "blobs_no_update",
+        "blobs_no_delete",
+        "ledger_head_no_insert",
+        "ledger_head_no_delete",
+        "ledger_head_forward_only",
+    )
+    with db.write.begin() as conn:
+        for name in schema_3:
+            conn.execute(text(f"DROP TRIGGER {name}"))
+        conn.execute(tables.schema_version.update().values(version=2))
+        before = conn.execute(text("SELECT idx, body, leaf_hash FROM entries")).all()
+    db.dispose()
+
+    db = open_database(url)
+    with db.read.connect() as conn:
+        assert conn.execute(select(tables.schema_version.c.version)).scalar_one() == SCHEMA_VERSION
+        triggers = set(
+            conn.execute(text("SELECT name FROM sqlite_master WHERE type = 'trigger'")).scalars()
+        )
+        assert set(schema_3) <= triggers
+        assert conn.execute(text("SELECT idx, body, leaf_hash FROM entries")).all() == before
+    with pytest.raises(DBAPIError, match="never changed or deleted"), db.write.begin() as conn:
+        conn.execute(text("REPLACE INTO entries SELECT * FROM entries WHERE idx = 0"))
+    ledger = Ledger(db, key, origin="schema.test/ledger")
+    assert ledger.fault is None
+    assert ledger.checkpoint(5).note == note
+    ledger.append([_pin(5)])
+    assert ledger.size == 6
+    ledger.close()
     db.dispose()

@@ -66,7 +66,7 @@ def tampering(data: Path) -> Iterator[sqlite3.Connection]:
         }
         names = {f"{t}_no_{op}" for t in IMMUTABLE_TABLES for op in ("update", "delete")}
         assert names <= triggers, "the ledger tables are protected by triggers"
-        for name in sorted(names):
+        for name in sorted(triggers):
             conn.execute(f"DROP TRIGGER {name}")
         conn.execute("BEGIN")
         yield conn

@@ -1,5 +1,6 @@
 """The vault's tables behind SQLAlchemy (SQLite in WAL mode by default, PostgreSQL for a lab),
-their schema version and upgrades, and the triggers that make ledger rows immutable."""
+their schema version and upgrades, and the triggers by which the database itself refuses every
+write to the ledger but an append."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from sqlalchemy.pool import NullPool
 
 from vault.errors import VaultError
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 
 metadata = MetaData()
 
@@ -112,6 +113,8 @@ tokens = Table(
 )
 
 _IMMUTABLE = ("entries", "entry_subjects", "checkpoints")
+# Schema 3: the blob catalogue is never changed or deleted either.
+_IMMUTABLE_3 = ("blobs",)
 # SQLite's limit on the values one statement binds (SQLITE_MAX_VARIABLE_NUMBER).
 _SQLITE_BOUND_VALUES: Final = 32_766 if sqlite3.sqlite_version_info >= (3, 32) else 999
 
@@ -318,7 +321,8 @@ def migrate(db: Database, *, create: bool = True) -> None:
                 f"understands ({SCHEMA_VERSION}): upgrade pinvault"
             )
         for version in range(found + 1, SCHEMA_VERSION + 1):
-            # Each upgrade only adds: tables, columns, indexes. Nothing is dropped or rewritten.
+            # Each upgrade only adds: tables, columns, indexes, triggers. Nothing is dropped or
+            # rewritten.
             UPGRADES[version](conn)
             conn.execute(schema_version.update().values(version=version))
 
@@ -327,20 +331,130 @@ def _add_schema_2(conn: Connection) -> None:
     metadata.create_all(conn, tables=[replay_leases, tokens])
 
 
-UPGRADES: dict[int, Callable[[Connection], None]] = {2: _add_schema_2}
-
-
 def _install_immutability(conn: Connection) -> None:
-    """Database triggers refuse UPDATE and DELETE of ledger rows, whatever code asks."""
+    """Every trigger a new database gets: schema 1's and those schema 3 added."""
+    _refuse_change_and_delete(conn, _IMMUTABLE)
+    _add_schema_3(conn)
+
+
+def _add_schema_3(conn: Connection) -> None:
+    """Schema 3: the guards schema 1 lacked. SQLite's REPLACE (and INSERT OR REPLACE) deletes
+    a conflicting row without firing its DELETE trigger, so an insert over an existing ledger
+    row is refused by a trigger of its own; the head moves only forward, to the leaf hash of
+    the entry it names; and the blob catalogue is immutable too."""
+    _refuse_change_and_delete(conn, _IMMUTABLE_3)
     if conn.dialect.name == "sqlite":
-        for table in _IMMUTABLE:
+        # Rows below the head's size are history: an insert among them is a rewrite, whatever
+        # its conflict clause. An append inserts at and above the size, then moves the head.
+        for table in ("entries", "entry_subjects"):
+            _sqlite_refuse(
+                conn,
+                f"{table}_no_insert_below_head",
+                f"BEFORE INSERT ON {table} "
+                "WHEN NEW.idx < (SELECT size FROM ledger_head WHERE id = 1)",
+                f"pinvault {table} rows are never changed or deleted",
+            )
+        for table, key in (("checkpoints", "size"), ("blobs", "sha256")):
+            _sqlite_refuse(
+                conn,
+                f"{table}_no_replace",
+                f"BEFORE INSERT ON {table} "
+                f"WHEN EXISTS (SELECT 1 FROM {table} WHERE {key} = NEW.{key})",
+                f"pinvault {table} rows are never changed or deleted",
+            )
+        _sqlite_refuse(
+            conn,
+            "ledger_head_no_insert",
+            "BEFORE INSERT ON ledger_head WHEN EXISTS (SELECT 1 FROM ledger_head)",
+            "pinvault ledger_head moves only by an append",
+        )
+        _sqlite_refuse(
+            conn,
+            "ledger_head_no_delete",
+            "BEFORE DELETE ON ledger_head",
+            "pinvault ledger_head moves only by an append",
+        )
+        _sqlite_refuse(
+            conn,
+            "ledger_head_forward_only",
+            f"BEFORE UPDATE ON ledger_head WHEN {_HEAD_MOVE_IS_WRONG}",
+            "pinvault ledger_head moves only by an append",
+        )
+    elif conn.dialect.name == "postgresql":
+        # PostgreSQL has no REPLACE, and INSERT ... ON CONFLICT DO UPDATE fires the UPDATE
+        # triggers; what is left is a subject added to an old entry, and the head.
+        conn.execute(
+            text(
+                "CREATE OR REPLACE FUNCTION pinvault_no_insert_below_head() RETURNS trigger "
+                "AS $$ BEGIN "
+                "IF NEW.idx < (SELECT size FROM ledger_head WHERE id = 1) THEN "
+                "RAISE EXCEPTION 'pinvault % rows are never changed or deleted', TG_TABLE_NAME; "
+                "END IF; RETURN NEW; END $$ LANGUAGE plpgsql"
+            )
+        )
+        conn.execute(
+            text(
+                "CREATE OR REPLACE TRIGGER entry_subjects_no_insert_below_head "
+                "BEFORE INSERT ON entry_subjects "
+                "FOR EACH ROW EXECUTE FUNCTION pinvault_no_insert_below_head()"
+            )
+        )
+        conn.execute(
+            text(
+                "CREATE OR REPLACE FUNCTION pinvault_head_moves_forward() RETURNS trigger AS $$ "
+                "BEGIN "
+                "IF TG_OP = 'DELETE' THEN "
+                "RAISE EXCEPTION 'pinvault ledger_head moves only by an append'; END IF; "
+                "IF " + _HEAD_MOVE_IS_WRONG.replace("IS NOT", "IS DISTINCT FROM") + " THEN "
+                "RAISE EXCEPTION 'pinvault ledger_head moves only by an append'; END IF; "
+                "RETURN NEW; END $$ LANGUAGE plpgsql"
+            )
+        )
+        conn.execute(
+            text(
+                "CREATE OR REPLACE TRIGGER ledger_head_forward_only "
+                "BEFORE UPDATE OR DELETE ON ledger_head "
+                "FOR EACH ROW EXECUTE FUNCTION pinvault_head_moves_forward()"
+            )
+        )
+        conn.execute(
+            text(
+                "CREATE OR REPLACE TRIGGER ledger_head_no_truncate BEFORE TRUNCATE ON ledger_head "
+                "FOR EACH STATEMENT EXECUTE FUNCTION pinvault_immutable()"
+            )
+        )
+
+
+# An append moves the head forward, to the leaf hash of the last entry it names; an empty
+# commit may write it unchanged.
+_HEAD_MOVE_IS_WRONG: Final = (
+    "NEW.id IS NOT OLD.id OR NEW.size < OLD.size "
+    "OR (NEW.size = OLD.size AND NEW.last_leaf IS NOT OLD.last_leaf) "
+    "OR (NEW.size > 0 AND NEW.last_leaf IS NOT "
+    "(SELECT leaf_hash FROM entries WHERE idx = NEW.size - 1))"
+)
+
+
+def _sqlite_refuse(conn: Connection, name: str, when: str, message: str) -> None:
+    conn.execute(
+        text(
+            f"CREATE TRIGGER IF NOT EXISTS {name} {when} "
+            f"BEGIN SELECT RAISE(ABORT, '{message}'); END"
+        )
+    )
+
+
+def _refuse_change_and_delete(conn: Connection, tables: Sequence[str]) -> None:
+    """Triggers that refuse UPDATE and DELETE (and on PostgreSQL TRUNCATE) of the tables'
+    rows, whatever code asks."""
+    if conn.dialect.name == "sqlite":
+        for table in tables:
             for op in ("UPDATE", "DELETE"):
-                conn.execute(
-                    text(
-                        f"CREATE TRIGGER {table}_no_{op.lower()} BEFORE {op} ON {table} "
-                        f"BEGIN SELECT RAISE(ABORT, 'pinvault {table} rows are never "
-                        f"changed or deleted'); END"
-                    )
+                _sqlite_refuse(
+                    conn,
+                    f"{table}_no_{op.lower()}",
+                    f"BEFORE {op} ON {table}",
+                    f"pinvault {table} rows are never changed or deleted",
                 )
     elif conn.dialect.name == "postgresql":
         conn.execute(
@@ -350,16 +464,20 @@ def _install_immutability(conn: Connection) -> None:
                 "TG_TABLE_NAME; END $$ LANGUAGE plpgsql"
             )
         )
-        for table in _IMMUTABLE:
+        for table in tables:
             conn.execute(
                 text(
-                    f"CREATE TRIGGER {table}_immutable BEFORE UPDATE OR DELETE ON {table} "
+                    f"CREATE OR REPLACE TRIGGER {table}_immutable "
+                    f"BEFORE UPDATE OR DELETE ON {table} "
                     "FOR EACH ROW EXECUTE FUNCTION pinvault_immutable()"
                 )
             )
             conn.execute(
                 text(
-                    f"CREATE TRIGGER {table}_no_truncate BEFORE TRUNCATE ON {table} "
+                    f"CREATE OR REPLACE TRIGGER {table}_no_truncate BEFORE TRUNCATE ON {table} "
                     "FOR EACH STATEMENT EXECUTE FUNCTION pinvault_immutable()"
                 )
             )
+
+
+UPGRADES: dict[int, Callable[[Connection], None]] = {2: _add_schema_2, 3: _add_schema_3}

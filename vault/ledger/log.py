@@ -14,8 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from sqlalchemy import func, select
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import func, select, text
 
 from vault.errors import InvalidArgument, NotFound, Unavailable, VaultError, VerificationError
 from vault.ledger import db as tables
@@ -144,6 +143,12 @@ _STOP: Final = object()
 _ENTRY_COLUMNS: Final = ("idx", "body", "leaf_hash", "kind", "author", "time", "external")
 _SUBJECT_COLUMNS: Final = ("digest", "idx")
 _HEAD: Final = "SELECT size, last_leaf FROM ledger_head WHERE id = 1"
+# A checkpoint of a size already signed (by another server, or before a restart) is kept as it
+# is: the database refuses any insert over a stored one, so the insert first looks.
+_INSERT_CHECKPOINT: Final = text(
+    "INSERT INTO checkpoints (size, note) SELECT :size, :note "
+    "WHERE NOT EXISTS (SELECT 1 FROM checkpoints WHERE size = :size) ON CONFLICT DO NOTHING"
+)
 _READ_ENTRIES: Final = (
     "SELECT idx, body, leaf_hash, kind, author, time, external FROM entries "
     "WHERE idx > ? ORDER BY idx LIMIT ?"
@@ -374,9 +379,8 @@ class Ledger:
     def _sign(self, size: int) -> SignedCheckpoint:
         checkpoint = Checkpoint(origin=self.origin, size=size, root=self._tree.root(size))
         note = self.key.sign(checkpoint)
-        insert = (sqlite.insert if self.db.is_sqlite else postgresql.insert)(tables.checkpoints)
         with self.db.write.begin() as conn:
-            conn.execute(insert.values(size=size, note=note).on_conflict_do_nothing())
+            conn.execute(_INSERT_CHECKPOINT, {"size": size, "note": note})
         return SignedCheckpoint(checkpoint, note)
 
     def _load_latest_checkpoint(self) -> SignedCheckpoint | None:

@@ -53,9 +53,11 @@ class _Catalogue:
     """Records stored blobs in the catalog, durably, many puts to one commit: concurrent puts
     share one transaction and one sync instead of queueing for the database's write lock."""
 
+    # A blob already catalogued is left as it is: the database refuses any insert over a
+    # catalogued row (even one its conflict clause would skip), so the insert first looks.
     _INSERT: Final = (
-        "INSERT INTO blobs (sha256, blake3, size, stored_at) VALUES (?, ?, ?, ?) "
-        "ON CONFLICT DO NOTHING"
+        "INSERT INTO blobs (sha256, blake3, size, stored_at) SELECT ?, ?, ?, ? "
+        "WHERE NOT EXISTS (SELECT 1 FROM blobs WHERE sha256 = ?) ON CONFLICT DO NOTHING"
     )
 
     def __init__(self, db: Database) -> None:
@@ -92,7 +94,7 @@ class _Catalogue:
                 batch.append(more)
             try:
                 with self._writer.begin() as tx:
-                    tx.many(self._INSERT, [row for rows, _ in batch for row in rows])
+                    tx.many(self._INSERT, [(*row, row[0]) for rows, _ in batch for row in rows])
             except BaseException as exc:  # every waiting put must hear of it
                 for _, done in batch:
                     done.set_exception(exc)
