@@ -19,15 +19,8 @@ from tests.tier_contract import LARGE, TierContract, content, read_all
 from tiers.cold import MIN_PART_SIZE, ColdLayout, ColdTier
 from vault.digest import Digest, sha256_of
 from vault.errors import IntegrityError, NotFound, Unavailable
-from vault.store.protocol import (
-    CHUNK_SIZE,
-    SHA_QUEUE_DEPTH,
-    BlobStore,
-    get_bytes,
-    put_bytes,
-    put_file,
-    read_range,
-)
+from vault.store.chunks import CHUNK_SIZE, SHA_QUEUE_DEPTH
+from vault.store.protocol import BlobStore, get_bytes, put_bytes, put_file, read_range
 
 pytestmark = pytest.mark.s3
 

@@ -14,19 +14,11 @@ import pytest
 
 from tests.tier_contract import LARGE, TierContract, content, read_all
 from tiers import hot
-from tiers.hot import SLOT, SLOTS, SYNC_EVERY, HotTier
+from tiers.hot import SLOT, SLOTS, SYNC_EVERY, HotTier, _batch, _layout
 from vault.digest import Digest, sha256_of
 from vault.errors import IntegrityError
-from vault.store.protocol import (
-    CHUNK_SIZE,
-    BlobInfo,
-    BlobStore,
-    Chunk,
-    ChunkList,
-    get_bytes,
-    put_bytes,
-    put_file,
-)
+from vault.store.chunks import CHUNK_SIZE, BlobInfo, Chunk, ChunkList
+from vault.store.protocol import BlobStore, get_bytes, put_bytes, put_file
 
 
 def blob_file(tier: HotTier, sha256: Digest) -> Path:
@@ -186,7 +178,7 @@ def test_a_batch_syncs_once_then_links_then_syncs_the_names(
         events.append("link")
         real_link(*args, **kwargs)
 
-    monkeypatch.setattr(hot, "_syncfs", lambda fd: events.append("syncfs"))
+    monkeypatch.setattr(_batch, "_syncfs", lambda fd: events.append("syncfs"))
     monkeypatch.setattr(os, "link", link)
     blobs = [content(5000 + n, seed=n) for n in range(49)] + [content(LARGE)]
 
@@ -230,7 +222,7 @@ def test_without_syncfs_a_batch_syncs_each_file_before_linking_then_each_folder(
 
         return record
 
-    monkeypatch.setattr(hot, "_syncfs", None)
+    monkeypatch.setattr(_batch, "_syncfs", None)
     for name in real:
         monkeypatch.setattr(os, name, recording(name))
     blobs = [content(100, seed=n) for n in range(5)]
@@ -264,7 +256,7 @@ def test_a_crashed_batch_is_removed_at_open_and_a_live_one_kept(tier: HotTier) -
         HotTier(tier.root)
         assert temp_files(tier) == [os.path.basename(live)]
     finally:
-        hot._remove_folder(fd, live)
+        _layout.remove_folder(fd, live)
     assert temp_files(tier) == []
 
 

@@ -22,15 +22,8 @@ from tests.tier_contract import LARGE, TierContract, content, read_all
 from tiers.warm import PACK_SUFFIX, WarmTier
 from vault.digest import Digest, sha256_of
 from vault.errors import FailedPrecondition, IntegrityError, NotFound, Unavailable
-from vault.store.protocol import (
-    CHUNK_SIZE,
-    BlobInfo,
-    BlobStore,
-    get_bytes,
-    put_bytes,
-    put_file,
-    read_range,
-)
+from vault.store.chunks import CHUNK_SIZE, BlobInfo
+from vault.store.protocol import BlobStore, get_bytes, put_bytes, put_file, read_range
 
 # The trailer of a record: 4 bytes per chunk, then a 56-byte footer.
 FOOTER = 56

@@ -13,17 +13,8 @@ import pytest
 
 from vault.digest import Digest, blake3_of, sha256_of
 from vault.errors import IntegrityError, InvalidArgument, NotFound
-from vault.store.protocol import (
-    CHUNK_SIZE,
-    BlobInfo,
-    BlobStore,
-    Chunk,
-    ChunkList,
-    get_bytes,
-    put_bytes,
-    put_many,
-    read_range,
-)
+from vault.store.chunks import CHUNK_SIZE, BlobInfo, Chunk, ChunkList
+from vault.store.protocol import BlobStore, get_bytes, put_bytes, put_many, read_range
 
 SIZES = [0, 1, CHUNK_SIZE - 1, CHUNK_SIZE, CHUNK_SIZE + 1, CHUNK_SIZE * 7 // 2]
 SIZE_IDS = ["empty", "one-byte", "chunk-less-1", "one-chunk", "chunk-plus-1", "3.5-chunks"]

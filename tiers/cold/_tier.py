@@ -1,0 +1,399 @@
+"""The cold tier's BlobStore: blobs kept on one bucket of one S3 endpoint, as _layout lays them
+out, put through _upload and read back chunk by chunk, each chunk checked before it is handed on."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+import secrets
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Final
+
+import zstandard
+
+from tiers.cold._layout import (
+    FORMAT,
+    HEADER,
+    INDEX_PROBE,
+    MAGIC,
+    ColdLayout,
+    check_stored_size,
+    decode_index,
+    encode_index,
+    index_length,
+    unpack_window,
+    windows,
+)
+from tiers.cold._s3 import MISSING, Refused, S3Bucket, b64, object_size
+from tiers.cold._upload import (
+    MAX_PART_SIZE,
+    MIN_PART_SIZE,
+    PART_MAX_DOUBLINGS,
+    PART_SIZE,
+    UPLOAD_THREADS,
+    ColdWriter,
+    Upload,
+)
+from tiers.copies import rehash
+from vault.digest import Digest
+from vault.errors import IntegrityError, InvalidArgument, NotFound, Unavailable
+from vault.store.chunks import CHUNK_SIZE, BlobInfo, Chunk, ChunkList
+from vault.store.protocol import BlobStore, Closing, require_sha256
+
+# HEAD requests in flight at once for find_missing.
+LOOKUP_THREADS: Final = 8
+COMPRESSION_LEVEL: Final = 3
+
+_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+class ColdTier(Closing, BlobStore):
+    """A BlobStore on one bucket (under an optional key prefix) of one S3 endpoint::
+
+        <prefix>blobs/sha256/<hex>   the blob's index (ColdLayout), and its data if small
+        <prefix>data/<random>        the data of a larger blob, uploaded in parts
+
+    A blob whose stored chunks fit in `inline_limit` bytes (by default one part) is kept
+    whole in its index object, so that it costs one PUT and one GET. A blob's digest is known
+    only once its last byte has been hashed, and S3 cannot rename, so a larger blob's data
+    goes up first under a random name and is checked; only then is its index written under
+    the digest, with If-None-Match so that of two puts of the same bytes exactly one creates
+    it. The index object appearing is what makes a blob visible, as the link into blobs/ does
+    in the hot tier; deleting a blob removes its index first, then its data.
+
+    An uploaded copy counts only once checked: by the server, against the SHA-256 of every
+    part (or object) sent as x-amz-checksum-sha256 and echoed back, or else by reading it back.
+    Every read checks each chunk against the chunk list before handing it on.
+
+    Failures to reach the endpoint, or refusals by it, are Unavailable naming the endpoint.
+    Credentials, region, timeouts and retries are the ones given here: no profile, ~/.aws file
+    or AWS_* credential variable is read.
+    """
+
+    def __init__(
+        self,
+        *,
+        endpoint_url: str,
+        bucket: str,
+        access_key_id: str,
+        secret_access_key: str,
+        region: str = "us-east-1",
+        prefix: str = "",
+        addressing_style: str = "path",
+        part_size: int = PART_SIZE,
+        inline_limit: int | None = None,
+        upload_threads: int = UPLOAD_THREADS,
+        compression_level: int = COMPRESSION_LEVEL,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        max_attempts: int = 3,
+    ) -> None:
+        if not MIN_PART_SIZE <= part_size <= MAX_PART_SIZE >> PART_MAX_DOUBLINGS:
+            raise InvalidArgument(
+                f"part size {part_size} is outside {MIN_PART_SIZE}.."
+                f"{MAX_PART_SIZE >> PART_MAX_DOUBLINGS} (S3's limits, with room to double)"
+            )
+        if addressing_style not in ("path", "virtual", "auto"):
+            raise InvalidArgument(
+                f"addressing style {addressing_style!r} is not one of path, virtual, auto"
+            )
+        if compression_level > zstandard.MAX_COMPRESSION_LEVEL:
+            raise InvalidArgument(
+                f"zstd compression level {compression_level} is above "
+                f"{zstandard.MAX_COMPRESSION_LEVEL}"
+            )
+        if inline_limit is None:
+            inline_limit = part_size
+        if not 0 <= inline_limit <= part_size:
+            raise InvalidArgument(
+                f"inline limit {inline_limit} must be between 0 and the part size {part_size}"
+            )
+        if upload_threads < 1 or max_attempts < 1:
+            raise InvalidArgument(
+                f"upload threads ({upload_threads}) and attempts ({max_attempts}) must be >= 1"
+            )
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        self.endpoint_url = endpoint_url
+        self.bucket = bucket
+        self.prefix = prefix
+        self.part_size = part_size
+        self.inline_limit = inline_limit
+        self.upload_threads = upload_threads
+        self.compression_level = compression_level
+        self._blobs = f"{prefix}blobs/sha256/"
+        self._where = f"{endpoint_url.rstrip('/')}/{bucket}/{prefix}"
+        self._conditional_puts = True
+        self._s3 = S3Bucket(
+            endpoint_url=endpoint_url,
+            bucket=bucket,
+            where=self._where,
+            access_key_id=access_key_id,
+            secret_access_key=secret_access_key,
+            region=region,
+            addressing_style=addressing_style,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            max_attempts=max_attempts,
+            max_connections=max(upload_threads, LOOKUP_THREADS) + 2,
+        )
+        self.client: Any = self._s3.client
+
+    def __repr__(self) -> str:
+        return f"ColdTier({self._where!r})"
+
+    def close(self) -> None:
+        """Close the client's connections."""
+        self._s3.close()
+
+    def probe(self) -> None:
+        """One cheap request (HEAD of the bucket): Unavailable, naming the endpoint, if it
+        does not answer within the tier's timeouts or refuses."""
+        self._s3.call(f"looking up bucket {self.bucket}", "head_bucket")
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def writer(self) -> ColdWriter:
+        return ColdWriter(self)
+
+    def delete(self, sha256: Digest) -> None:
+        key = self._index_key(sha256)
+        try:
+            layout: ColdLayout | None = self._load(sha256)[0]
+        except IntegrityError:
+            # A damaged index must still go, so that a good copy can take its place; the
+            # data object it named, if any, cannot be found from it.
+            layout = None
+        self._s3.call(f"deleting {key}", "delete_object", Key=key)
+        if layout is not None and not layout.inline:
+            self._s3.call(f"deleting {layout.data_key}", "delete_object", Key=layout.data_key)
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def info(self, sha256: Digest) -> BlobInfo | None:
+        """The blob's digests and size from its index (one GET); damage to the stored chunks
+        is found by read and verify, not here."""
+        try:
+            return self._load(sha256)[0].chunks.info
+        except NotFound:
+            return None
+
+    def find_missing(self, digests: Iterable[Digest]) -> list[Digest]:
+        unique = list(dict.fromkeys(digests))
+        keys = [self._index_key(digest) for digest in unique]
+        if len(keys) <= 1:
+            present = [self._s3.exists(key) for key in keys]
+        else:
+            with ThreadPoolExecutor(
+                max_workers=min(LOOKUP_THREADS, len(keys)), thread_name_prefix="pinvault-cold-head"
+            ) as pool:
+                present = list(pool.map(self._s3.exists, keys))
+        return [digest for digest, found in zip(unique, present, strict=True) if not found]
+
+    def chunk_list(self, sha256: Digest) -> ChunkList:
+        return self._load(sha256)[0].chunks
+
+    def layout(self, sha256: Digest) -> ColdLayout:
+        """Where and how the blob's bytes are kept; NotFound if it is not stored."""
+        return self._load(sha256)[0]
+
+    def read(self, sha256: Digest, offset: int = 0, length: int | None = None) -> Iterator[Chunk]:
+        layout, head = self._load(sha256)
+        wanted = layout.chunks.chunk_range(offset, length)
+        return self._read_chunks(layout, head, wanted)
+
+    def verify(self, sha256: Digest) -> BlobInfo:
+        """Fetch and re-hash every chunk: each against the chunk list as it comes, the whole
+        against the digest."""
+        layout, head = self._load(sha256)
+        chunks = self._read_chunks(layout, head, range(layout.chunks.count))
+        found = rehash((chunk.data for chunk in chunks), layout.chunks.chunk_size)
+        if found != layout.chunks:
+            raise IntegrityError(
+                f"stored copy of {sha256} is damaged: its {found.size} bytes hash to "
+                f"{found.sha256} and {found.blake3}, which its chunk list does not describe"
+            )
+        return found.info
+
+    def digests(self) -> Iterator[Digest]:
+        """Every stored blob, in the order the endpoint lists keys (by digest on S3)."""
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self._blobs
+        )
+        with self._s3.errors(f"listing {self._blobs}"):
+            for page in pages:
+                for item in page.get("Contents", ()):
+                    name = item["Key"][len(self._blobs) :]
+                    if _HEX.fullmatch(name):
+                        yield Digest("sha256", name)
+
+    # -- inside: objects ---------------------------------------------------------------------
+
+    def _index_key(self, sha256: Digest) -> str:
+        return self._blobs + require_sha256(sha256)
+
+    def _new_upload(self) -> Upload:
+        """A multipart upload of a put's stored chunks, to a fresh key under data/."""
+        return Upload(
+            self._s3,
+            f"{self.prefix}data/{secrets.token_hex(16)}",
+            part_size=self.part_size,
+            threads=self.upload_threads,
+        )
+
+    def _load(self, sha256: Digest) -> tuple[ColdLayout, bytes]:
+        """The blob's checked layout, and the first bytes of its index object (which hold the
+        whole of a small inline blob)."""
+        key = self._index_key(sha256)
+        try:
+            head, total = self._s3.get(key, 0, INDEX_PROBE)
+            if head.startswith(MAGIC) and len(head) >= HEADER.size:
+                # A damaged header may claim any length; the object's size bounds the fetch.
+                needed = min(index_length(head), total)
+                if len(head) < needed:
+                    more, _ = self._s3.get(key, len(head), needed - len(head))
+                    head += more
+        except Refused as refused:
+            if refused.code == "InvalidRange":
+                raise IntegrityError(f"index of {sha256} ({key}) is damaged: it is empty") from None
+            raise NotFound(f"blob {sha256} is not in the cold tier {self._where}") from None
+        layout = decode_index(head, sha256, key)
+        if layout.inline:
+            check_stored_size(layout, total)
+        return layout, head
+
+    def _read_chunks(self, layout: ColdLayout, head: bytes, wanted: range) -> Iterator[Chunk]:
+        if not wanted:
+            return
+        decompressor = zstandard.ZstdDecompressor()
+        for window in windows(layout, wanted):
+            first, last = layout.extents[window.start], layout.extents[window.stop - 1]
+            start = layout.data_offset + first.start
+            end = layout.data_offset + last.start + last.length
+            if layout.inline and end <= len(head):
+                pieces: Iterator[bytes] = iter([head[start:end]])
+            else:
+                pieces = self._stream(layout, window, start, end)
+            yield from unpack_window(layout, window, pieces, decompressor)
+
+    def _stream(self, layout: ColdLayout, window: range, start: int, end: int) -> Iterator[bytes]:
+        """The stored bytes [start, end) of the blob's data object, as they arrive."""
+        key = layout.data_key
+        what = f"reading {key}"
+        try:
+            response = self._s3.call(
+                what,
+                "get_object",
+                tolerate=MISSING | {"InvalidRange"},
+                Key=key,
+                Range=f"bytes={start}-{end - 1}",
+            )
+        except Refused as refused:
+            offset = layout.chunks.span(window.start)[0]
+            if refused.code == "InvalidRange":
+                # The object ends before the range starts; its size tells where it was cut.
+                head = self._s3.call(f"looking up {key}", "head_object", Key=key)
+                check_stored_size(layout, int(head["ContentLength"]))
+                raise IntegrityError(
+                    f"stored copy of {layout.chunks.sha256} is damaged: chunk at byte offset "
+                    f"{offset} lies beyond the end of its stored object {key}"
+                ) from None
+            if not self._s3.exists(layout.key):
+                raise NotFound(
+                    f"blob {layout.chunks.sha256} was deleted from the cold tier "
+                    f"{self._where} while being read"
+                ) from None
+            raise IntegrityError(
+                f"stored copy of {layout.chunks.sha256} is damaged: its data object {key} "
+                f"(chunk at byte offset {offset} onwards) is missing"
+            ) from None
+        body = response["Body"]
+        try:
+            check_stored_size(layout, object_size(response))
+            with self._s3.errors(what):
+                while data := body.read(CHUNK_SIZE):
+                    yield data
+        finally:
+            body.close()
+
+    # -- inside: committing a put ------------------------------------------------------------
+
+    def _install(self, writer: ColdWriter, chunks: ChunkList) -> bool:
+        """Store a finished put under its digest; False if the blob was already there."""
+        key = self._index_key(chunks.sha256)
+        upload = writer.upload
+        inline = upload is None and len(writer.pending) <= self.inline_limit
+        # A small blob goes up in its one conditional PUT, which refuses to replace a copy
+        # already there: looking first would cost as much as the PUT.
+        if not (inline and self._conditional_puts) and self._s3.exists(key):
+            return False
+        if inline:
+            body = encode_index(chunks, writer.entries, None) + bytes(writer.pending)
+            return self._put_index(key, body, chunks, writer.stored_size, None)
+        if upload is None:
+            upload = writer.upload = self._new_upload()
+        if writer.pending:
+            upload.add(writer.take_pending())
+        upload.complete()
+        body = encode_index(chunks, writer.entries, upload.key)
+        created = self._put_index(key, body, chunks, writer.stored_size, upload.key)
+        upload.keep = created
+        return created
+
+    def _put_index(
+        self, key: str, body: bytes, chunks: ChunkList, stored_size: int, data_key: str | None
+    ) -> bool:
+        checksum = b64(hashlib.sha256(body).digest())
+        params: dict[str, Any] = {
+            "Key": key,
+            "Body": body,
+            "ContentType": "application/octet-stream",
+            "ChecksumSHA256": checksum,
+            "Metadata": {
+                "format": FORMAT,
+                "size": str(chunks.size),
+                "sha256": str(chunks.sha256),
+                "blake3": str(chunks.blake3),
+                "stored-size": str(stored_size),
+            },
+        }
+        what = f"storing {key}"
+        if self._conditional_puts:
+            try:
+                response = self._s3.call(
+                    what,
+                    "put_object",
+                    tolerate=frozenset({"PreconditionFailed", "NotImplemented"}),
+                    IfNoneMatch="*",
+                    **params,
+                )
+            except Refused as refused:
+                if refused.code == "PreconditionFailed":
+                    return self._is_own_index(chunks.sha256, data_key)
+                # A server without conditional writes: two puts of the same bytes may then
+                # both report creating it, and the data of the first is left unreferenced.
+                self._conditional_puts = False
+                response = self._s3.call(what, "put_object", **params)
+        else:
+            response = self._s3.call(what, "put_object", **params)
+        if response.get("ChecksumSHA256") != checksum:
+            try:
+                self._s3.read_back(key, [hashlib.sha256(body).digest()], [len(body)])
+            except IntegrityError:
+                with contextlib.suppress(Unavailable):
+                    self._s3.call(f"deleting {key}", "delete_object", Key=key)
+                raise
+        return True
+
+    def _is_own_index(self, sha256: Digest, data_key: str | None) -> bool:
+        """After a refused conditional put: whether the index there is this put's own, as when
+        a retried request follows one that succeeded unanswered."""
+        if data_key is None:
+            return False
+        try:
+            layout = self._load(sha256)[0]
+        except (NotFound, IntegrityError):
+            return False
+        return layout.data_key == data_key
