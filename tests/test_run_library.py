@@ -1,4 +1,4 @@
-"""The run library (`vault.run`) inside a job, against a real `vault serve`: the seed comes from
+"""The run library (`vault.runs`) inside a job, against a real `vault serve`: the seed comes from
 the admitted inputs, outputs are recorded by digest, a checkpoint exists entirely or not at all
 (also across a killed process), and the published run manifest and `replicate.sh` say what the
 run was; a tampered job environment and malformed manifests are refused."""
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-import vault.runs.library
+import vault.runs.manifest
 from tests.services.vault_server import REPO_ROOT, VaultServer, command_env
 from vault.canonical import canonical_json
 from vault.client import Admission, VaultClient
@@ -31,8 +31,8 @@ from vault.errors import (
     VerificationError,
 )
 from vault.ledger.runid import RunInputs
+from vault.runs import CheckpointManifest, Run, RunManifest, load_run_manifest, start
 from vault.runs.dataset import add_dataset
-from vault.runs.library import CheckpointManifest, Run, RunManifest, load_run_manifest, start
 
 
 def sha256(data: bytes) -> str:
@@ -248,9 +248,9 @@ def test_a_failed_output_leaves_no_file_and_no_record(
 JOB = textwrap.dedent(
     """
     import json, os, signal, sys
-    import vault.run
+    import vault.runs
 
-    run = vault.runs.library.start()
+    run = vault.runs.start()
     action = sys.argv[1]
     if action == "crash":
         run.checkpoint(1, {"model.bin": b"weights at step 1", "opt/state.bin": b"adam 1"})
@@ -364,7 +364,7 @@ def test_a_checkpoint_whose_pin_fails_is_not_the_latest(
 
         # The manifest blob is exactly the documented canonical form.
         manifest = json.loads(
-            vault.runs.library.load_checkpoint_manifest(other, first.digest).encode()
+            vault.runs.manifest.load_checkpoint_manifest(other, first.digest).encode()
         )
         assert manifest == {
             "type": "pinvault.checkpoint",
@@ -563,9 +563,9 @@ def valid_manifest() -> RunManifest:
     return RunManifest.checked(
         inputs=inputs,
         team="t",
-        environment=vault.runs.library.Environment("h", "3.11.7", "Linux", {"SLURM_JOB_ID": "1"}),
-        outputs=[vault.runs.library.FileRecord("a.txt", sha256(b"a"), 1)],
-        checkpoints=[vault.runs.library.CheckpointRef(3, sha256(b"c"))],
+        environment=vault.runs.manifest.Environment("h", "3.11.7", "Linux", {"SLURM_JOB_ID": "1"}),
+        outputs=[vault.runs.manifest.FileRecord("a.txt", sha256(b"a"), 1)],
+        checkpoints=[vault.runs.manifest.CheckpointRef(3, sha256(b"c"))],
     )
 
 
@@ -641,12 +641,12 @@ def test_manifests_round_trip_and_oversized_ones_are_refused_before_reading(
     manifest = valid_manifest()
     assert RunManifest.decode(manifest.encode()) == manifest
     with monkeypatch.context() as patch:
-        patch.setattr(vault.run, "MAX_RUN_MANIFEST_BYTES", 64)
+        patch.setattr(vault.runs.manifest, "MAX_RUN_MANIFEST_BYTES", 64)
         with pytest.raises(InvalidArgument, match=r"^run manifest is 65 bytes \(at most 64\)"):
             RunManifest.decode(b" " * 65)
 
     checkpoint = CheckpointManifest.checked(
-        run=sha256(b"r"), step=1, files=[vault.runs.library.FileRecord("a/b", sha256(b"x"), 1)]
+        run=sha256(b"r"), step=1, files=[vault.runs.manifest.FileRecord("a/b", sha256(b"x"), 1)]
     )
     assert CheckpointManifest.decode(checkpoint.encode()) == checkpoint
     with pytest.raises(InvalidArgument, match="'a' is a file and also the folder of 'a/b'"):
@@ -654,8 +654,8 @@ def test_manifests_round_trip_and_oversized_ones_are_refused_before_reading(
             run=sha256(b"r"),
             step=1,
             files=[
-                vault.runs.library.FileRecord("a/b", sha256(b"x"), 1),
-                vault.runs.library.FileRecord("a", sha256(b"x"), 1),
+                vault.runs.manifest.FileRecord("a/b", sha256(b"x"), 1),
+                vault.runs.manifest.FileRecord("a", sha256(b"x"), 1),
             ],
         )
     with pytest.raises(InvalidArgument, match="a checkpoint needs at least one file"):
@@ -663,10 +663,10 @@ def test_manifests_round_trip_and_oversized_ones_are_refused_before_reading(
 
     # Through the vault: a stored manifest too large is refused from its size alone, and one
     # never pinned as a run's manifest is not a published one.
-    monkeypatch.setattr(vault.run, "MAX_RUN_MANIFEST_BYTES", 2**20)
+    monkeypatch.setattr(vault.runs.manifest, "MAX_RUN_MANIFEST_BYTES", 2**20)
     unpublished = str(client.put(manifest.encode()).blob.sha256)
     with pytest.raises(FailedPrecondition, match=f"^{unpublished} is not a published run"):
         load_run_manifest(client, unpublished)
-    monkeypatch.setattr(vault.run, "MAX_RUN_MANIFEST_BYTES", 100)
+    monkeypatch.setattr(vault.runs.manifest, "MAX_RUN_MANIFEST_BYTES", 100)
     with pytest.raises(InvalidArgument, match=f"^run manifest {unpublished} is .* bytes"):
         load_run_manifest(client, unpublished)

@@ -31,7 +31,7 @@ from tests.services.agent import AdmissionAgent
 from tests.services.slurm import SlurmCluster
 from tests.services.vault_server import VAULT_COMMAND, VaultRun, VaultServer
 from vault.client import VaultClient
-from vault.runs.library import load_run_manifest
+from vault.runs import load_run_manifest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = REPO_ROOT / "slurm" / "job_submit.lua"
@@ -532,9 +532,9 @@ JOB = f"""#!/bin/sh
 #SBATCH --account=vision
 mkdir -p "run-$SLURM_JOB_ID" && cd "run-$SLURM_JOB_ID" || exit 1
 exec {sys.executable} - <<'PY'
-import vault.run
+import vault.runs
 
-with vault.runs.library.start() as run:
+with vault.runs.start() as run:
     rng = run.rng()
     weights = bytes(rng.getrandbits(8) for _ in range(50_000))
     run.checkpoint(1, {{"weights.bin": weights}})

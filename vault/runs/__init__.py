@@ -5,15 +5,24 @@ the scheduler is, which reaches the server only through `vault.client`.
 """
 
 from vault.ledger.runid import RunInputs, parse_seed
-from vault.runs.library import Artefact, Checkpoint, OutputFile, Run, RunManifest, start
+from vault.runs.manifest import (
+    CheckpointManifest,
+    RunManifest,
+    load_checkpoint_manifest,
+    load_run_manifest,
+)
+from vault.runs.run import Artefact, Checkpoint, OutputFile, Run, start
 
 __all__ = [
     "Artefact",
     "Checkpoint",
+    "CheckpointManifest",
     "OutputFile",
     "Run",
     "RunInputs",
     "RunManifest",
+    "load_checkpoint_manifest",
+    "load_run_manifest",
     "parse_seed",
     "start",
 ]

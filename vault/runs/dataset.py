@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from vault.client.client import ProvenEntry, VaultClient
+from vault.client import ProvenEntry, VaultClient
 from vault.digest import Digest
 from vault.errors import IntegrityError, InvalidArgument
 from vault.files import fsync_dir

@@ -7,25 +7,20 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import itertools
 import os
-import platform
 import random
 import re
 import secrets
-import socket
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, Self
+from typing import TYPE_CHECKING, Final, Self
 
 from vault import config
-from vault.canonical import canonical_json, expect_fields, load_json_object
-from vault.client.client import ProvenEntry, VaultClient, read_all
-from vault.client.connect import open_client
+from vault.client import ProvenEntry, VaultClient, open_client
 from vault.config import (
     ENV_CONFIG,
     ENV_DATASET,
@@ -33,11 +28,9 @@ from vault.config import (
     ENV_REPLAY_LEASE,
     ENV_REPLAY_OF,
     ENV_RUN_ID,
-    ENV_SCRIPT,
     ENV_SEED,
     ENV_TEAM,
 )
-from vault.digest import Digest
 from vault.errors import (
     FailedPrecondition,
     IntegrityError,
@@ -47,421 +40,28 @@ from vault.errors import (
 )
 from vault.files import fsync_dir
 from vault.ledger.entry import Entry
-from vault.ledger.runid import MAX_INPUTS_BYTES, RunInputs
+from vault.ledger.runid import RunInputs
+from vault.runs.job import admission_entry, fetch_inputs, optional_digest, required_variable
+from vault.runs.manifest import (
+    SHA256_DIGEST,
+    CheckpointManifest,
+    CheckpointRef,
+    Environment,
+    FileRecord,
+    RunManifest,
+    entries_naming,
+    load_checkpoint_manifest,
+)
 from vault.store.manifest import check_path
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
-RUN_MANIFEST_TYPE: Final = "pinvault.run-manifest"
-CHECKPOINT_TYPE: Final = "pinvault.checkpoint"
-FORMAT_VERSION: Final = 1
-# Every read of a manifest from the network is bounded: about 250,000 outputs, 50,000 files.
-MAX_RUN_MANIFEST_BYTES: Final = 64 * 1024 * 1024
-MAX_CHECKPOINT_MANIFEST_BYTES: Final = 16 * 1024 * 1024
-# Integers above 2**53 are not exact in every JSON reader, so the formats forbid them.
-MAX_INTEGER: Final = 2**53 - 1
-MAX_TEAM_LENGTH: Final = 128
-MAX_VARIABLE_BYTES: Final = 1024
 HASH_BLOCK: Final = 1 << 20
 PUTS_IN_FLIGHT: Final = 4
 REPLICATE_SCRIPT: Final = "replicate.sh"
 
-# What the scheduler gives a job (see `start`).
-
-# The only variables a run manifest records: named one by one, so that no token, password or
-# credential in a job's environment can reach the ledger through a pattern.
-RECORDED_VARIABLES: Final = (
-    ENV_SCRIPT,
-    "SLURM_JOB_ID",
-    "SLURM_ARRAY_JOB_ID",
-    "SLURM_ARRAY_TASK_ID",
-    "SLURM_JOB_NAME",
-    "SLURM_JOB_PARTITION",
-    "SLURM_CLUSTER_NAME",
-    "SLURM_JOB_NODELIST",
-    "SLURM_NNODES",
-    "SLURM_NTASKS",
-    "SLURM_RESTART_COUNT",
-    "CUDA_VISIBLE_DEVICES",
-    "OMP_NUM_THREADS",
-    "PYTHONHASHSEED",
-    "CUBLAS_WORKSPACE_CONFIG",
-)
-
-_SHA256: Final = re.compile(r"sha256:[0-9a-f]{64}")
-_VARIABLE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DECIMAL: Final = re.compile(r"0|[1-9][0-9]{0,15}")
-
-
-# ---------------------------------------------------------------------- the formats
-
-
-@dataclass(frozen=True, slots=True)
-class FileRecord:
-    """One file of a run manifest's outputs or of a checkpoint: relative POSIX path, digest,
-    size in bytes."""
-
-    path: str
-    sha256: str
-    size: int
-
-    def as_json(self) -> dict[str, Any]:
-        return {"path": self.path, "sha256": self.sha256, "size": self.size}
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointManifest:
-    """What a checkpoint is: the run, the step, and its files in bytewise UTF-8 path order."""
-
-    run: str
-    step: int
-    files: tuple[FileRecord, ...]
-
-    @classmethod
-    def checked(cls, *, run: str, step: int, files: Sequence[FileRecord]) -> CheckpointManifest:
-        what = "checkpoint manifest"
-        _check_sha256(what, "run", run)
-        _check_step(what, step)
-        if not files:
-            raise InvalidArgument(f"{what}: a checkpoint needs at least one file, found none")
-        ordered = _check_files(what, files)
-        # A checkpoint is restored into a folder: a name cannot be a file and a folder at once.
-        names = {f.path for f in ordered}
-        for f in ordered:
-            parts = f.path.split("/")
-            for depth in range(1, len(parts)):
-                if "/".join(parts[:depth]) in names:
-                    raise InvalidArgument(
-                        f"{what}: {'/'.join(parts[:depth])!r} is a file and also the folder "
-                        f"of {f.path!r}"
-                    )
-        return cls(run, step, ordered)
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "type": CHECKPOINT_TYPE,
-            "v": FORMAT_VERSION,
-            "run": self.run,
-            "step": self.step,
-            "files": [f.as_json() for f in self.files],
-        }
-
-    def encode(self) -> bytes:
-        return canonical_json(self.as_json())
-
-    @classmethod
-    def decode(cls, data: bytes) -> CheckpointManifest:
-        """Parse and validate; anything malformed or not canonical is refused."""
-        what = "checkpoint manifest"
-        obj = load_json_object(what, data, MAX_CHECKPOINT_MANIFEST_BYTES)
-        expect_fields(what, obj, {"type", "v", "run", "step", "files"})
-        _expect_header(what, obj, CHECKPOINT_TYPE)
-        manifest = cls.checked(
-            run=_string(what, "run", obj["run"]),
-            step=_integer(what, "step", obj["step"]),
-            files=_decode_files(what, "files", obj["files"]),
-        )
-        _expect_canonical(what, manifest.encode(), data)
-        return manifest
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointRef:
-    """A committed checkpoint as a run manifest lists it."""
-
-    step: int
-    manifest: str
-
-    def as_json(self) -> dict[str, Any]:
-        return {"step": self.step, "manifest": self.manifest}
-
-
-@dataclass(frozen=True, slots=True)
-class Environment:
-    """Where a run ran: informational, never part of what makes a run the same experiment."""
-
-    host: str
-    python: str
-    platform: str
-    variables: Mapping[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def capture(cls, environ: Mapping[str, str]) -> Environment:
-        return cls(
-            host=socket.gethostname(),
-            python=platform.python_version(),
-            platform=platform.platform(),
-            variables={name: _cut(environ[name]) for name in RECORDED_VARIABLES if name in environ},
-        )
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "host": self.host,
-            "python": self.python,
-            "platform": self.platform,
-            "variables": dict(self.variables),
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class RunManifest:
-    """What a run was and what it made: its inputs (and so its run id), team, environment,
-    outputs in bytewise UTF-8 path order and committed checkpoints in step order."""
-
-    inputs: RunInputs
-    team: str
-    environment: Environment
-    outputs: tuple[FileRecord, ...]
-    checkpoints: tuple[CheckpointRef, ...]
-
-    @property
-    def run_id(self) -> str:
-        return self.inputs.run_id
-
-    @property
-    def seed(self) -> int:
-        return self.inputs.seed
-
-    @classmethod
-    def checked(
-        cls,
-        *,
-        inputs: RunInputs,
-        team: str,
-        environment: Environment,
-        outputs: Sequence[FileRecord],
-        checkpoints: Sequence[CheckpointRef],
-    ) -> RunManifest:
-        what = "run manifest"
-        if len(team) > MAX_TEAM_LENGTH or not team.isprintable():
-            raise InvalidArgument(
-                f"{what}: team must be at most {MAX_TEAM_LENGTH} printable characters, "
-                f"found {team[:80]!r}"
-            )
-        for name, value in environment.variables.items():
-            if not _VARIABLE.fullmatch(name):
-                raise InvalidArgument(f"{what}: bad environment variable name {name[:80]!r}")
-            if len(value.encode("utf-8")) > MAX_VARIABLE_BYTES:
-                raise InvalidArgument(f"{what}: environment variable {name} is too long")
-        ordered = sorted(checkpoints, key=lambda c: c.step)
-        for before, after in itertools.pairwise(ordered):
-            if before.step == after.step:
-                raise InvalidArgument(f"{what}: checkpoint step {after.step} is listed twice")
-        for c in ordered:
-            _check_step(what, c.step)
-            _check_sha256(what, f"checkpoint {c.step}", c.manifest)
-        return cls(
-            inputs,
-            team,
-            Environment(
-                environment.host,
-                environment.python,
-                environment.platform,
-                dict(sorted(environment.variables.items())),
-            ),
-            _check_files(what, outputs),
-            tuple(ordered),
-        )
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "type": RUN_MANIFEST_TYPE,
-            "v": FORMAT_VERSION,
-            "run": self.run_id,
-            "inputs": self.inputs.as_json(),
-            "team": self.team,
-            "environment": self.environment.as_json(),
-            "outputs": [f.as_json() for f in self.outputs],
-            "checkpoints": [c.as_json() for c in self.checkpoints],
-        }
-
-    def encode(self) -> bytes:
-        return canonical_json(self.as_json())
-
-    @classmethod
-    def decode(cls, data: bytes) -> RunManifest:
-        """Parse and validate; anything malformed, not canonical, or whose run id is not the
-        digest of its inputs is refused with a message that names the problem."""
-        what = "run manifest"
-        obj = load_json_object(what, data, MAX_RUN_MANIFEST_BYTES)
-        fields = {"type", "v", "run", "inputs", "team", "environment", "outputs", "checkpoints"}
-        expect_fields(what, obj, fields)
-        _expect_header(what, obj, RUN_MANIFEST_TYPE)
-        run = _string(what, "run", obj["run"])
-        if not isinstance(obj["inputs"], dict):
-            raise InvalidArgument(f"{what}: 'inputs' is not an object")
-        try:
-            inputs = RunInputs.decode(canonical_json(obj["inputs"]))
-        except InvalidArgument as exc:
-            raise InvalidArgument(f"{what}: inputs: {exc}") from None
-        if inputs.run_id != run:
-            raise InvalidArgument(f"{what}: run is {run} but its inputs make run {inputs.run_id}")
-        manifest = cls.checked(
-            inputs=inputs,
-            team=_string(what, "team", obj["team"]),
-            environment=_decode_environment(what, obj["environment"]),
-            outputs=_decode_files(what, "outputs", obj["outputs"]),
-            checkpoints=_decode_checkpoints(what, obj["checkpoints"]),
-        )
-        _expect_canonical(what, manifest.encode(), data)
-        return manifest
-
-
-def _cut(value: str) -> str:
-    data = value.encode("utf-8")
-    if len(data) <= MAX_VARIABLE_BYTES:
-        return value
-    return data[: MAX_VARIABLE_BYTES - 3].decode("utf-8", errors="ignore") + "..."
-
-
-def _check_sha256(what: str, name: str, value: str) -> None:
-    if not _SHA256.fullmatch(value):
-        raise InvalidArgument(
-            f"{what}: {name} has bad digest {value[:80]!r}: "
-            "expected 'sha256:<64 lowercase hex digits>'"
-        )
-
-
-def _check_step(what: str, step: int) -> None:
-    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_INTEGER:
-        raise InvalidArgument(f"{what}: bad step {step!r}: expected an integer 0 to 2**53-1")
-
-
-def _check_files(what: str, files: Sequence[FileRecord]) -> tuple[FileRecord, ...]:
-    ordered = sorted(files, key=lambda f: f.path.encode("utf-8"))
-    for before, after in itertools.pairwise(ordered):
-        if before.path == after.path:
-            raise InvalidArgument(f"{what}: path {after.path!r} is listed twice")
-    for f in ordered:
-        check_path(f.path, what)
-        _check_sha256(what, repr(f.path), f.sha256)
-        if (
-            not isinstance(f.size, int)
-            or isinstance(f.size, bool)
-            or not 0 <= f.size <= MAX_INTEGER
-        ):
-            raise InvalidArgument(f"{what}: {f.path!r} has bad size {f.size!r}")
-    return tuple(ordered)
-
-
-# -- strict decoding
-
-
-def _expect_header(what: str, obj: Mapping[str, Any], kind: str) -> None:
-    if obj["type"] != kind:
-        raise InvalidArgument(f"{what}: type is {str(obj['type'])[:80]!r}, expected {kind!r}")
-    if obj["v"] != FORMAT_VERSION or isinstance(obj["v"], bool):
-        raise InvalidArgument(f"{what}: version {obj['v']!r} is not {FORMAT_VERSION}")
-
-
-def _expect_canonical(what: str, canonical: bytes, data: bytes) -> None:
-    if canonical != data:
-        raise InvalidArgument(
-            f"{what} is not in canonical form (RFC 8785 JSON, lists in their documented order)"
-        )
-
-
-def _string(what: str, name: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise InvalidArgument(f"{what}: {name} is not a string")
-    return value
-
-
-def _integer(what: str, name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INTEGER:
-        raise InvalidArgument(f"{what}: {name} is {value!r}, expected an integer 0 to 2**53-1")
-    return value
-
-
-def _items(what: str, name: str, value: object, fields: set[str]) -> list[dict[str, Any]]:
-    if not isinstance(value, list):
-        raise InvalidArgument(f"{what}: {name!r} is not a list")
-    for n, item in enumerate(value):
-        if not isinstance(item, dict):
-            raise InvalidArgument(f"{what}: {name} item {n} is not an object")
-        expect_fields(f"{what}: {name} item {n}", item, fields)
-    return value
-
-
-def _decode_files(what: str, name: str, value: object) -> list[FileRecord]:
-    return [
-        FileRecord(
-            _string(what, f"{name} item {n} path", item["path"]),
-            _string(what, f"{name} item {n} sha256", item["sha256"]),
-            _integer(what, f"{name} item {n} size", item["size"]),
-        )
-        for n, item in enumerate(_items(what, name, value, {"path", "sha256", "size"}))
-    ]
-
-
-def _decode_checkpoints(what: str, value: object) -> list[CheckpointRef]:
-    return [
-        CheckpointRef(
-            _integer(what, f"checkpoints item {n} step", item["step"]),
-            _string(what, f"checkpoints item {n} manifest", item["manifest"]),
-        )
-        for n, item in enumerate(_items(what, "checkpoints", value, {"step", "manifest"}))
-    ]
-
-
-def _decode_environment(what: str, value: object) -> Environment:
-    if not isinstance(value, dict):
-        raise InvalidArgument(f"{what}: 'environment' is not an object")
-    expect_fields(f"{what}: environment", value, {"host", "python", "platform", "variables"})
-    variables = value["variables"]
-    if not isinstance(variables, dict):
-        raise InvalidArgument(f"{what}: environment variables is not an object")
-    return Environment(
-        host=_string(what, "environment host", value["host"]),
-        python=_string(what, "environment python", value["python"]),
-        platform=_string(what, "environment platform", value["platform"]),
-        variables={k: _string(what, f"environment variable {k}", v) for k, v in variables.items()},
-    )
-
-
-# ---------------------------------------------------------------------- reading from a vault
-
-
-def _read_bounded(client: VaultClient, digest: str, what: str, limit: int) -> bytes:
-    """A blob's bytes, verified against `digest` by the client, refused before reading if
-    larger than `limit`."""
-    reader = client.open(digest)
-    if reader.info.size > limit:
-        raise InvalidArgument(f"{what} {digest} is {reader.info.size} bytes (at most {limit})")
-    return read_all(reader)
-
-
-def load_run_manifest(client: VaultClient, digest: str) -> RunManifest:
-    """A published run manifest: fetched verified, decoded strictly, and checked to be pinned
-    as its run's manifest (what `vault replay` starts from)."""
-    wanted = str(Digest.parse(digest))
-    manifest = RunManifest.decode(
-        _read_bounded(client, wanted, "run manifest", MAX_RUN_MANIFEST_BYTES)
-    )
-    published = [
-        p.entry
-        for p in _lookup(client, wanted)
-        if p.entry.kind == "run"
-        and p.entry.meta.get("stage") == "manifest"
-        and p.entry.subjects[:1] == (wanted,)
-        and manifest.run_id in p.entry.subjects[1:]
-    ]
-    if not published:
-        raise FailedPrecondition(
-            f"{wanted} is not a published run manifest: no `run` entry with stage=manifest "
-            f"pins it for run {manifest.run_id}"
-        )
-    return manifest
-
-
-def load_checkpoint_manifest(client: VaultClient, digest: str) -> CheckpointManifest:
-    return CheckpointManifest.decode(
-        _read_bounded(client, digest, "checkpoint manifest", MAX_CHECKPOINT_MANIFEST_BYTES)
-    )
-
-
-# ---------------------------------------------------------------------- inside a job
 
 
 @dataclass(frozen=True, slots=True)
@@ -570,14 +170,14 @@ class Run:
         (a replay): the seed is then the recorded one. Without `client`, one is made from the
         PINVAULT_CLIENT_* variables and closed with the run."""
         env = os.environ if environ is None else environ
-        run_id = _required(env, ENV_RUN_ID)
-        if not _SHA256.fullmatch(run_id):
+        run_id = required_variable(env, ENV_RUN_ID)
+        if not SHA256_DIGEST.fullmatch(run_id):
             raise InvalidArgument(
                 f"{ENV_RUN_ID} is {run_id[:80]!r}: expected 'sha256:<64 lowercase hex digits>'"
             )
         claimed = {
-            ENV_IMAGE: _required(env, ENV_IMAGE),
-            ENV_DATASET: _required(env, ENV_DATASET),
+            ENV_IMAGE: required_variable(env, ENV_IMAGE),
+            ENV_DATASET: required_variable(env, ENV_DATASET),
             ENV_CONFIG: env.get(ENV_CONFIG, ""),
         }
         seed = env.get(ENV_SEED, "")
@@ -598,7 +198,7 @@ class Run:
         # and the command verify against one history.
         vault = open_client(config.load(environ=env)) if client is None else client
         try:
-            inputs = _fetch_inputs(vault, run_id)
+            inputs = fetch_inputs(vault, run_id)
             recorded = {ENV_IMAGE: inputs.image, ENV_DATASET: inputs.dataset}
             recorded[ENV_CONFIG] = inputs.config
             for name, value in claimed.items():
@@ -607,7 +207,7 @@ class Run:
                         f"{name} is {value or 'unset'} but run {run_id} was admitted with "
                         f"{recorded[name] or 'none'}"
                     )
-            admission = _admission(vault, inputs)
+            admission = admission_entry(vault, inputs)
             folder = Path(os.path.abspath(output_dir if output_dir is not None else os.curdir))
             return cls(
                 vault,
@@ -616,7 +216,7 @@ class Run:
                 output_dir=folder,
                 team=env.get(ENV_TEAM, ""),
                 replay_lease=env.get(ENV_REPLAY_LEASE, ""),
-                replay_of=_optional_digest(env, ENV_REPLAY_OF),
+                replay_of=optional_digest(env, ENV_REPLAY_OF),
                 environ=env,
                 owns_client=owns,
             )
@@ -838,7 +438,7 @@ class Run:
 
     def _entries(self, kind: str) -> Iterator[ProvenEntry]:
         """This run's entries of `kind` (this replay's only, on a replay), in ledger order."""
-        for proven in _lookup(self.client, self.run_id):
+        for proven in entries_naming(self.client, self.run_id):
             entry = proven.entry
             if (
                 entry.kind == kind
@@ -934,56 +534,6 @@ class OutputFile(io.RawIOBase):
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _required(env: Mapping[str, str], name: str) -> str:
-    value = env.get(name, "")
-    if not value:
-        raise InvalidArgument(f"{name} is not set: is this running inside a pinvault job?")
-    return value
-
-
-def _lookup(client: VaultClient, digest: str) -> list[ProvenEntry]:
-    """The proven entries naming `digest`, in ledger order; none is an empty list."""
-    try:
-        found = client.lookup(digest)
-    except NotFound:
-        return []
-    return sorted(found, key=lambda p: p.entry.index)
-
-
-def _optional_digest(env: Mapping[str, str], name: str) -> str:
-    if not env.get(name):
-        return ""
-    try:
-        return str(Digest.parse(env[name]))
-    except InvalidArgument as exc:
-        raise InvalidArgument(f"{name}: {exc}") from None
-
-
-def _fetch_inputs(client: VaultClient, run_id: str) -> RunInputs:
-    try:
-        data = _read_bounded(client, run_id, "run inputs document", MAX_INPUTS_BYTES)
-    except NotFound:
-        raise FailedPrecondition(
-            f"run {run_id} was never admitted: the vault holds no inputs document for it"
-        ) from None
-    return RunInputs.decode(data)
-
-
-def _admission(client: VaultClient, inputs: RunInputs) -> Entry:
-    for proven in _lookup(client, inputs.run_id):
-        entry = proven.entry
-        if (
-            entry.kind == "run"
-            and entry.meta.get("stage") == "admitted"
-            and entry.subjects[:1] == (inputs.run_id,)
-            and entry.meta.get("seed") == str(inputs.seed)
-        ):
-            return entry
-    raise FailedPrecondition(
-        f"run {inputs.run_id} was never admitted: no `run` entry with stage=admitted names it"
-    )
 
 
 def _hash_file(path: Path) -> tuple[str, int]:
