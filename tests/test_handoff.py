@@ -19,12 +19,11 @@ import pytest
 from tests.conftest import StartVault
 from tests.services.vault_server import VaultServer
 from tests.test_access import Vault, vault  # noqa: F401  (the fixture)
-from vault.client import VaultClient
-from vault.client import client as vault_client
+from vault.client import VaultClient, transfer
 from vault.client.handoff import HANDOFF_MIN, Mode, hand_off
 from vault.errors import IntegrityError, InvalidArgument, PermissionDenied, Unavailable
+from vault.store.chunks import CHUNK_SIZE
 from vault.store.handoff import MAX_PARKED
-from vault.store.protocol import CHUNK_SIZE
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
@@ -107,7 +106,7 @@ def test_large_files_are_handed_off_unasked_and_small_ones_stream(
         handed.append(mode)
         return hand_off(socket_path, instance, fd, mode)
 
-    monkeypatch.setattr(vault_client, "hand_off", counted)
+    monkeypatch.setattr(transfer, "hand_off", counted)
     big = tmp_path / "big.bin"
     data = write_file(big, HANDOFF_MIN + 1, seed=2)
     result = client.put(big)

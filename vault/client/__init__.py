@@ -4,18 +4,11 @@ unless they were verified against their digest or a signed, consistent checkpoin
     from vault.client import VaultClient
 """
 
-from vault.client.client import (
-    Admission,
-    BlobInfo,
-    BlobReader,
-    Credentials,
-    ProvenEntry,
-    PutResult,
-    Stat,
-    VaultClient,
-    read_all,
-)
+from vault.client.channel import Credentials
+from vault.client.client import VaultClient
 from vault.client.connect import open_client
+from vault.client.reader import BlobReader, read_all
+from vault.client.results import Admission, BlobInfo, ProvenEntry, PutResult, Stat
 
 __all__ = [
     "Admission",

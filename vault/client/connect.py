@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vault.client.client import Credentials, VaultClient
+from vault.client.channel import Credentials
+from vault.client.client import VaultClient
 from vault.config import Config
 from vault.errors import InvalidArgument
 

@@ -1,0 +1,35 @@
+"""Checking entries the vault proves against a checkpoint the client has verified: each entry's
+inclusion in its tree, and that it is the entry its index says. No I/O here."""
+
+from __future__ import annotations
+
+from vault.client.results import ProvenEntry
+from vault.errors import VerificationError
+from vault.ledger.checkpoint import Checkpoint
+from vault.ledger.entry import Entry
+from vault.ledger.merkle import leaf_hash, verify_inclusion
+from vault.wire import pinvault_pb2 as pb
+
+
+def check_inclusion(
+    index: int, body: bytes, path: list[bytes], checkpoint: Checkpoint
+) -> ProvenEntry:
+    """`body` as entry `index`, once `path` proves it is in `checkpoint`'s tree."""
+    leaf = leaf_hash(body)
+    verify_inclusion(leaf, index, checkpoint.size, path, checkpoint.root)
+    return ProvenEntry(Entry.decode(body), leaf, path, checkpoint)
+
+
+def check_proven(proven: pb.ProvenEntry, checkpoint: Checkpoint) -> ProvenEntry:
+    """An entry of a look-up or admission answer, once proved in `checkpoint`'s tree and found
+    to be the entry its index says."""
+    leaf = leaf_hash(proven.entry.body)
+    path = list(proven.inclusion)
+    verify_inclusion(leaf, proven.entry.index, checkpoint.size, path, checkpoint.root)
+    entry = Entry.decode(proven.entry.body)
+    if entry.index != proven.entry.index:
+        raise VerificationError(
+            f"entry {proven.entry.index} says it is entry {entry.index}",
+            index=proven.entry.index,
+        )
+    return ProvenEntry(entry, leaf, path, checkpoint)

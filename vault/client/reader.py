@@ -1,0 +1,171 @@
+"""Reading a blob from the answer to a Get: a file-like reader that hands on only bytes checked
+against their chunk hashes and, for a whole blob, against its digest."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any, Final
+
+import blake3
+
+from vault.client.channel import rpc_errors
+from vault.client.results import BlobInfo
+from vault.digest import Digest
+from vault.errors import IntegrityError
+from vault.wire import pinvault_pb2 as pb
+
+_THREADED_FROM: Final = 4 << 20
+
+
+class _BackgroundHash:
+    """Hashes on its own thread (hashlib and blake3 release the GIL), so that receiving,
+    hashing and writing overlap; the bounded queue keeps memory bounded. For fewer than
+    `threaded_from` bytes, a thread costs more than it saves, and it hashes as it is fed."""
+
+    def __init__(self, algorithm: str, size: int, threaded_from: int = _THREADED_FROM) -> None:
+        self._hash: Any = hashlib.sha256() if algorithm == "sha256" else blake3.blake3()
+        self._queue: queue.Queue[bytes | None] | None = None
+        self._thread: threading.Thread | None = None
+        if size >= threaded_from:
+            self._queue = queue.Queue(maxsize=8)
+            self._thread = threading.Thread(target=self._run, name="pinvault-hash", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        assert self._queue is not None
+        while (data := self._queue.get()) is not None:
+            self._hash.update(data)
+
+    def update(self, data: bytes) -> None:
+        if self._queue is None:
+            self._hash.update(data)
+        else:
+            self._queue.put(data)
+
+    def digest(self) -> bytes:
+        if self._queue is not None and self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+        return bytes(self._hash.digest())
+
+
+class BlobReader(io.RawIOBase):
+    """A file-like view of a blob (or a range) that yields only verified bytes.
+
+    Each chunk is checked against its chunk hash before any of it is returned; on a whole-blob
+    read, the digest of everything is checked too, and reading the end raises IntegrityError
+    if it does not match. `check_chunks=False` is for callers that hand nothing on before the
+    end (a file that appears only once the whole digest matched)."""
+
+    def __init__(
+        self,
+        responses: Iterator[pb.GetResponse],
+        requested: Digest,
+        *,
+        check_chunks: bool = True,
+        handed_off: int | None = None,
+    ) -> None:
+        super().__init__()
+        self._responses = responses
+        # The caller's file, handed to the server, which writes each chunk into it instead of
+        # sending its bytes; the bytes are read back from it here and checked as if received.
+        self._handed_off = handed_off
+        with rpc_errors():
+            first = next(responses, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise IntegrityError("the server's answer to a get did not start with a header")
+        header = first.header
+        self.info = BlobInfo.from_wire(header.blob)
+        if requested not in (self.info.sha256, self.info.blake3):
+            raise IntegrityError(
+                f"asked for {requested}, the server answered with {self.info.sha256}"
+            )
+        self._start = header.offset
+        self._end = header.offset + header.length
+        self._chunk_size = header.chunk_size
+        self._whole = header.offset == 0 and header.length == self.info.size
+        if handed_off is not None and not self._whole:
+            raise IntegrityError("the server answered a get into a handed-off file with a range")
+        self._check_chunks = check_chunks or not self._whole
+        self._hash = _BackgroundHash(requested.algorithm, header.length) if self._whole else None
+        self._requested = requested
+        self._buffer = memoryview(b"")
+        self._position = self._start
+        self._done = False
+
+    def readable(self) -> bool:
+        return True
+
+    def _next_chunk(self) -> bool:
+        with rpc_errors():
+            message = next(self._responses, None)
+        if message is None:
+            if self._position != self._end:
+                raise IntegrityError(
+                    f"{self._requested}: the stream ended at byte {self._position}, "
+                    f"expected {self._end}"
+                )
+            if self._hash is not None and self._hash.digest() != self._requested.raw:
+                raise IntegrityError(
+                    f"{self._requested}: the bytes received do not match the digest"
+                )
+            self._done = True
+            return False
+        chunk = message.chunk
+        data = chunk.data if self._handed_off is None else self._written(chunk)
+        if self._check_chunks and blake3.blake3(data).digest() != chunk.hash:
+            raise IntegrityError(
+                f"{self._requested}: chunk at offset {chunk.offset} failed its check"
+            )
+        if self._hash is not None:
+            self._hash.update(data)
+        lo = max(self._position - chunk.offset, 0)
+        hi = min(self._end - chunk.offset, len(data))
+        if chunk.offset > self._position or lo > hi:
+            raise IntegrityError(
+                f"{self._requested}: chunk at offset {chunk.offset} is out of order"
+            )
+        self._buffer = memoryview(data)[lo:hi]
+        self._position += hi - lo
+        return True
+
+    def _written(self, chunk: pb.Chunk) -> bytes:
+        """What the server wrote into the handed-off file for this chunk."""
+        assert self._handed_off is not None
+        if chunk.data:
+            raise IntegrityError("the server sent bytes for a get into a handed-off file")
+        wanted = max(min(self._chunk_size, self._end - chunk.offset), 0)
+        data = os.pread(self._handed_off, wanted, chunk.offset)
+        if len(data) != wanted:
+            raise IntegrityError(
+                f"{self._requested}: the server wrote {len(data)} bytes at offset "
+                f"{chunk.offset}, expected {wanted}"
+            )
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._buffer:
+            if self._done or not self._next_chunk():
+                return 0
+        n = min(len(buffer), len(self._buffer))
+        buffer[:n] = self._buffer[:n]
+        self._buffer = self._buffer[n:]
+        return n
+
+    def chunks(self) -> Iterator[memoryview]:
+        """The verified bytes, a chunk at a time, without copying."""
+        if self._buffer:
+            yield self._buffer
+            self._buffer = memoryview(b"")
+        while not self._done and self._next_chunk():
+            yield self._buffer
+            self._buffer = memoryview(b"")
+
+
+def read_all(reader: BlobReader) -> bytes:
+    return b"".join(bytes(c) for c in reader.chunks())
