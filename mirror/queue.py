@@ -1,5 +1,7 @@
-"""The replication queue: which blob still needs a copy on which mirror, and which copies have
-been verified, in one SQLite file in the data folder that survives a restart of the vault."""
+"""The replication queue: which blob still needs a copy on which mirror, in one SQLite file in the
+data folder that survives a restart of the vault. The copies made are not kept here: each is a
+placement on tier `mirror-<name>` in the tier manager's journal, the vault's one placement
+record, which the queue reads and writes through."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from tiers.placements import JOURNAL_FILE_NAME, MIRROR_TIER_PREFIX, Journal, mirror_tier
 from vault.digest import Digest
 from vault.errors import Unavailable
 
@@ -33,14 +36,10 @@ CREATE TABLE IF NOT EXISTS pending (
     PRIMARY KEY (digest, mirror)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS pending_due ON pending (mirror, next_try);
-CREATE TABLE IF NOT EXISTS copies (
-    digest TEXT NOT NULL,
-    mirror TEXT NOT NULL,
-    size INTEGER NOT NULL,
-    verified REAL NOT NULL,
-    PRIMARY KEY (digest, mirror)
-) WITHOUT ROWID;
 """
+# Where releases before the one placement record kept the verified mirror copies (digest,
+# mirror, size, verified); carried into the placement record and dropped at open.
+_OLD_COPIES_TABLE: Final = "copies"
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +56,7 @@ class Pending:
 
 @dataclass(frozen=True, slots=True)
 class MirrorCounts:
-    """One mirror's verified copies and its queue, as recorded."""
+    """One mirror's copies, as the placement record has them, and its queue."""
 
     objects: int = 0
     bytes: int = 0
@@ -68,11 +67,15 @@ class MirrorCounts:
 
 
 class ReplicationQueue:
-    """The queue and the record of verified copies. Every change is one transaction, durable
-    (synchronous=FULL) before the call returns, so a put acknowledged after `enqueue` cannot
-    lose its replication to a crash."""
+    """The copies still to make, over `placements`, the placement record that holds the copies
+    made (default: the journal beside the queue's file, where the vault keeps it in its data
+    folder). Every change is one transaction, durable (synchronous=FULL) before the call
+    returns, so a put acknowledged after `enqueue` cannot lose its replication to a crash.
 
-    def __init__(self, path: Path) -> None:
+    A queue file of an earlier release, which kept its own table of verified copies, has them
+    carried into the placement record when it is opened."""
+
+    def __init__(self, path: Path, *, placements: Journal | None = None) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
         try:
@@ -85,10 +88,59 @@ class ReplicationQueue:
             self._db.executescript(_SCHEMA)
         except sqlite3.Error as error:
             raise Unavailable(f"cannot open the replication queue {self.path}: {error}") from None
+        self._owns_placements = placements is None
+        if placements is None:
+            journal = self.path.with_name(JOURNAL_FILE_NAME)
+            try:
+                placements = Journal(journal)
+            except sqlite3.Error as error:
+                self._db.close()
+                raise Unavailable(f"cannot open the placement record {journal}: {error}") from None
+        self.placements = placements
+        try:
+            self._carry_over_copies()
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        if self._owns_placements:
+            self.placements.close()
+
+    def _carry_over_copies(self) -> None:
+        """Record the verified copies an earlier release kept in the queue's file as
+        placements, then drop their table: a second record left behind would go stale as
+        scrub and repair change the placements, and would bring back, at the next open, copies
+        since forgotten. Placements first: a crash before the drop commits only carries the
+        same copies over again, and an older verification time never replaces a newer one."""
+        with self._transaction() as db:
+            found = db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                (_OLD_COPIES_TABLE,),
+            ).fetchone()
+            if found is None:
+                return
+            rows = db.execute(
+                f"SELECT digest, mirror, size, verified FROM {_OLD_COPIES_TABLE}"
+            ).fetchall()
+            with self._placing():
+                self.placements.place_verified(
+                    [
+                        (Digest.parse(digest), mirror_tier(mirror), int(size), float(verified))
+                        for digest, mirror, size, verified in rows
+                    ]
+                )
+            db.execute(f"DROP TABLE {_OLD_COPIES_TABLE}")
+
+    @contextmanager
+    def _placing(self) -> Iterator[Journal]:
+        """The placement record, its errors made the queue's own (Unavailable)."""
+        try:
+            yield self.placements
+        except sqlite3.Error as error:
+            raise Unavailable(f"placement record {self.placements.path}: {error}") from None
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -114,39 +166,48 @@ class ReplicationQueue:
     # -- changes -----------------------------------------------------------------------------
 
     def enqueue(self, blobs: Iterable[tuple[Digest, int, Sequence[str]]]) -> int:
-        """Queue each blob (digest, size, mirrors) for every mirror given that holds no
-        verified copy and has none queued; returns how many copies were queued."""
+        """Queue each blob (digest, size, mirrors) for every mirror given on which the
+        placement record has no copy and none is queued; returns how many were queued."""
+        wanted: list[tuple[Digest, str, int]] = []
+        with self._placing() as placements:
+            for digest, size, mirrors in blobs:
+                placed = placements.placed(digest)
+                wanted += [(digest, m, size) for m in mirrors if mirror_tier(m) not in placed]
+        if not wanted:
+            return 0
+        # A copy recorded between the look-up and this commit is queued once more: its next
+        # pass finds it there and only checks it.
         now = time.time()
         added = 0
         with self._transaction() as db:
-            for digest, size, mirrors in blobs:
-                for mirror in mirrors:
-                    cursor = db.execute(
-                        "INSERT INTO pending (digest, mirror, size, queued, next_try) "
-                        "SELECT ?, ?, ?, ?, ? WHERE NOT EXISTS "
-                        "(SELECT 1 FROM copies WHERE digest = ? AND mirror = ?) "
-                        "ON CONFLICT DO NOTHING",
-                        (str(digest), mirror, size, now, now, str(digest), mirror),
-                    )
-                    added += cursor.rowcount
+            for digest, mirror, size in wanted:
+                cursor = db.execute(
+                    "INSERT INTO pending (digest, mirror, size, queued, next_try) "
+                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    (str(digest), mirror, size, now, now),
+                )
+                added += cursor.rowcount
         return added
 
     def done(self, digest: Digest, mirror: str, size: int) -> None:
-        """Record a verified copy and drop it from the queue."""
+        """Record a verified copy in the placement record and drop it from the queue."""
         self.done_many([(digest, mirror, size)])
 
     def done_many(self, copies: Sequence[tuple[Digest, str, int]]) -> None:
-        """Record verified copies, one commit for them all. A record lost to a crash before
-        it commits costs only a second check of that copy: the copy stays queued."""
+        """Record verified copies as placements, one commit for them all, then drop them from
+        the queue. A crash before the placements commit costs only a second check of those
+        copies (they stay queued); one between the two commits, the same."""
+        if not copies:
+            return
         now = time.time()
+        with self._placing() as placements:
+            placements.place_verified(
+                [(digest, mirror_tier(mirror), size, now) for digest, mirror, size in copies]
+            )
         with self._transaction() as db:
             db.executemany(
                 "DELETE FROM pending WHERE digest = ? AND mirror = ?",
                 [(str(digest), mirror) for digest, mirror, _ in copies],
-            )
-            db.executemany(
-                "INSERT OR REPLACE INTO copies (digest, mirror, size, verified) VALUES (?,?,?,?)",
-                [(str(digest), mirror, size, now) for digest, mirror, size in copies],
             )
 
     def failed(self, digest: Digest, mirror: str, error: str, retry_at: float) -> None:
@@ -164,8 +225,8 @@ class ReplicationQueue:
 
     def forget_copy(self, digest: Digest, mirror: str) -> None:
         """A recorded copy turned out damaged or missing: it no longer counts."""
-        with self._transaction() as db:
-            db.execute("DELETE FROM copies WHERE digest = ? AND mirror = ?", (str(digest), mirror))
+        with self._placing() as placements:
+            placements.unplace(digest, mirror_tier(mirror))
 
     def retry_now(self) -> None:
         """Make every queued copy due at once (after an operator fixed a mirror)."""
@@ -188,26 +249,35 @@ class ReplicationQueue:
         return None if row[0] is None else float(row[0])
 
     def copies(self, digest: Digest) -> set[str]:
-        rows = self._query("SELECT mirror FROM copies WHERE digest = ?", (str(digest),))
-        return {str(row[0]) for row in rows}
+        """The mirrors the placement record has a copy of `digest` on."""
+        with self._placing() as placements:
+            placed = placements.placed(digest)
+        return {
+            tier.removeprefix(MIRROR_TIER_PREFIX)
+            for tier in placed
+            if tier.startswith(MIRROR_TIER_PREFIX)
+        }
 
     def known_digests(self) -> list[Digest]:
-        """Every blob with a copy recorded or queued anywhere."""
-        rows = self._query("SELECT digest FROM copies UNION SELECT digest FROM pending")
-        return [Digest.parse(str(row[0])) for row in rows]
+        """Every blob with a mirror copy recorded or queued anywhere."""
+        rows = self._query("SELECT DISTINCT digest FROM pending")
+        with self._placing() as placements:
+            placed = list(placements.placed_digests(MIRROR_TIER_PREFIX))
+        return list(dict.fromkeys([*placed, *(Digest.parse(str(row[0])) for row in rows)]))
 
     def pending_count(self) -> int:
         (row,) = self._query("SELECT COUNT(*) FROM pending")
         return int(row[0])
 
     def counts(self) -> dict[str, MirrorCounts]:
-        """Per mirror: verified copies and their bytes; queued copies, their bytes, the time
-        the oldest was queued and the last error met."""
+        """Per mirror: its copies in the placement record and their bytes; queued copies,
+        their bytes, the time the oldest was queued and the last error met."""
         found: dict[str, MirrorCounts] = {}
-        for mirror, objects, size in self._query(
-            "SELECT mirror, COUNT(*), SUM(size) FROM copies GROUP BY mirror"
-        ):
-            found[mirror] = MirrorCounts(objects=objects, bytes=size or 0)
+        with self._placing() as placements:
+            totals = placements.totals()
+        for tier, (objects, size) in totals.items():
+            if tier.startswith(MIRROR_TIER_PREFIX):
+                found[tier.removeprefix(MIRROR_TIER_PREFIX)] = MirrorCounts(objects, size)
         for mirror, queued, size, oldest in self._query(
             "SELECT mirror, COUNT(*), SUM(size), MIN(queued) FROM pending GROUP BY mirror"
         ):

@@ -1,5 +1,6 @@
 """`vault mirror sync` and `vault mirror repair`: queue every copy a blob lacks, and re-verify
-every copy on every mirror, rewriting a damaged or missing one from a copy that verifies."""
+every copy on every mirror, rewriting a damaged or missing one from a copy that verifies; what
+is found is written to the placement record (through the queue)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ LOCAL = "local"
 
 
 def queue_missing(local: BlobStore, mirrors: MirrorSet, queue: ReplicationQueue) -> int:
-    """Queue a copy of every local blob on each mirror it is assigned to that holds no
-    verified copy; returns how many copies were queued."""
+    """Queue a copy of every local blob on each mirror it is assigned to on which the
+    placement record has no copy; returns how many copies were queued."""
     blobs: list[tuple[Digest, int, list[str]]] = []
     for digest in local.digests():
         info = local.info(digest)
@@ -48,9 +49,11 @@ def repair(
     *,
     progress: Callable[[Digest], None] | None = None,
 ) -> RepairReport:
-    """Verify every blob's local copy and each assigned mirror's copy (read back whole), and
-    rewrite every damaged or missing copy, local one included, from one that verified. A
-    mirror that cannot be reached is skipped for the rest of the run and its copies queued."""
+    """Verify every blob's local copy and each assigned mirror's copy (read back whole), of
+    every blob held locally, placed on a mirror or queued, and rewrite every damaged or missing
+    copy, local one included, from one that verified; each mirror copy verified or rewritten is
+    recorded as a placement, each bad one forgotten until rewritten. A mirror that cannot be
+    reached is skipped for the rest of the run and its copies queued."""
     report = RepairReport()
     for digest in dict.fromkeys([*local.digests(), *queue.known_digests()]):
         _repair_blob(digest, local, mirrors, queue, report)

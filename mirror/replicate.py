@@ -1,5 +1,6 @@
 """Replication: the worker threads that empty the queue, one per mirror so that a mirror that is
-down or hangs holds up only its own copies, each copy verified before it counts."""
+down or hangs holds up only its own copies, each copy verified before it is recorded as a
+placement (tier `mirror-<name>`) in the placement record, where scrub and repair find it."""
 
 from __future__ import annotations
 
@@ -66,7 +67,9 @@ class DrainReport:
 
 
 class Replicator:
-    """Background threads, one per mirror, that copy queued blobs from `source` to the mirrors.
+    """Background threads, one per mirror, that copy queued blobs from `source` to the mirrors
+    and record each verified copy as a placement, through the queue, in the placement record
+    it shares with `source` (the tier manager) when the vault runs.
 
     A copy that fails is retried with exponential backoff (retry_min doubling to retry_max,
     with jitter so that mirrors coming back are not hit all at once). A mirror that cannot be

@@ -1,5 +1,5 @@
-"""`vault mirror status`: per mirror, whether it answers now, the verified copies it holds and
-the replication lag (copies queued for it, their bytes, and the age of the oldest)."""
+"""`vault mirror status`: per mirror, whether it answers now, the copies the placement record has
+on it and the replication lag (copies queued for it, their bytes, and the age of the oldest)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ class MirrorStatus:
 
 
 def mirror_status(mirrors: MirrorSet, queue: ReplicationQueue) -> list[MirrorStatus]:
-    """Probe every mirror at once (each bounded by its timeouts) and read the queue."""
+    """Probe every mirror at once (each bounded by its timeouts) and read the queue and the
+    placement record it keeps the copies made in."""
     with ThreadPoolExecutor(max_workers=len(mirrors), thread_name_prefix="mirror-probe") as pool:
         healths = list(pool.map(lambda mirror: mirror.probe(), mirrors))
     counts = queue.counts()

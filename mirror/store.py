@@ -10,17 +10,8 @@ from mirror.queue import ReplicationQueue
 from mirror.replicate import Replicator
 from vault.digest import Digest
 from vault.errors import NotFound, Unavailable
-from vault.store.protocol import (
-    BlobInfo,
-    BlobStore,
-    BlobWriter,
-    Chunk,
-    ChunkList,
-    Closing,
-    CommitHook,
-    Placed,
-    PlacementRecord,
-)
+from vault.store.chunks import BlobInfo, Chunk, ChunkList
+from vault.store.protocol import BlobStore, BlobWriter, Closing, CommitHook, Placed, PlacementRecord
 
 
 class ReplicatingStore(Closing, BlobStore):

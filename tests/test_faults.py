@@ -27,12 +27,13 @@ from tests.services.s3 import MinioServer, S3Endpoint
 from tests.services.vault_server import VaultRun, VaultServer
 from tests.test_mirror import NAMES, independent_tier, mirror_env, wait_for
 from tiers.hot import HotTier
-from tiers.manager import Journal
+from tiers.placements import Journal
 from tiers.warm import SMALL_LIMIT, WarmTier
 from vault.client import VaultClient
 from vault.digest import Digest, sha256_of
 from vault.errors import VaultError
-from vault.store.protocol import CHUNK_SIZE, BlobStore, get_bytes
+from vault.store.chunks import CHUNK_SIZE
+from vault.store.protocol import BlobStore, get_bytes
 from vault.wire import pinvault_pb2 as pb
 
 pytestmark = pytest.mark.s3

@@ -32,7 +32,8 @@ from vault import config as config_module
 from vault.config import PolicyConfig
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound
-from vault.store.protocol import CHUNK_SIZE, get_bytes, put_bytes
+from vault.store.chunks import CHUNK_SIZE
+from vault.store.protocol import get_bytes, put_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 LATER = 40 * DAY

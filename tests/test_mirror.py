@@ -15,18 +15,22 @@ from typing import Any
 
 import pytest
 
-from cli.mirror import open_mirror_set, open_replicating_store, queue_path
 from mirror.queue import ReplicationQueue
 from mirror.status import MirrorStatus, mirror_status
 from mirror.store import ReplicatingStore
 from tests.conftest import StartVault
 from tests.services.s3 import MinioServer, S3Endpoint, S3Server, VersityGatewayServer
 from tests.test_cold_tier import flip, flip_stored_bit
+from tests.test_replication_queue import tables, write_previous_release
 from tiers.cold import ColdTier
 from tiers.hot import HotTier
+from tiers.manager import TierManager
+from tiers.scrub import Scrubber, ScrubWorker
 from vault import config as config_module
 from vault.config import Config
 from vault.digest import Digest, sha256_of
+from vault.errors import IntegrityError
+from vault.server.assembly import open_mirror_set, open_replicating_store, queue_path
 from vault.store.protocol import get_bytes, put_bytes
 
 pytestmark = pytest.mark.s3
@@ -497,3 +501,109 @@ def test_vault_mirror_commands_say_what_is_missing_in_one_line(start_vault: Star
         env={"PINVAULT_MIRRORS_ENDPOINTS": "a=http://127.0.0.1:1/bucket"},
     ).error_line()
     assert "set PVMIRROR_A_ACCESS_KEY_ID and PVMIRROR_A_SECRET_ACCESS_KEY" in keyless, keyless
+
+
+# -- one placement record: scrub finds the copies replication made -------------------------
+
+
+def manager_of(store: ReplicatingStore) -> TierManager:
+    assert isinstance(store.inner, TierManager)
+    return store.inner
+
+
+@pytest.mark.parametrize("scrubber", ["vault scrub", "background"])
+def test_scrub_repairs_a_damaged_copy_that_replication_made_on_a_minio_mirror(
+    scrubber: str, buckets: Buckets, configure: Callable[..., Config], open_store: Any
+) -> None:
+    endpoints = buckets()
+    config = configure(endpoints)
+    store = open_store(config)
+    manager = manager_of(store)
+    data = os.urandom(3 << 20)
+    digest = put_bytes(store, data).sha256
+    wait_for(caught_up(config), "every copy is made")
+    # Replication recorded its copies where scrub looks: as placements on the mirrors' tiers.
+    assert {p.tier for p in manager.placements(digest)} == {
+        "hot",
+        "mirror-a",
+        "mirror-b",
+        "mirror-c",
+    }
+
+    # The copy on mirror b overwritten through the S3 API, one bit changed.
+    with independent_tier(endpoints[1]) as tier:
+        flip_stored_bit(tier, digest, len(data) // 2)
+        assert_damaged(tier, digest)
+    damaged = time.time()
+
+    if scrubber == "vault scrub":
+        stats = Scrubber(manager).scrub_all()
+        assert (stats.copies, stats.faults, stats.repaired, stats.unrepairable) == (4, 1, 1, 0)
+    else:
+        worker = ScrubWorker(Scrubber(manager, window=0.0))
+        worker.start()
+        try:
+            wait_for(lambda: bool(manager.journal.records(digest)), "the scrubber finds the fault")
+        finally:
+            worker.close()
+    (record,) = manager.journal.records(digest)
+    assert record.tier == "mirror-b"
+    assert "is damaged" in record.found, record.found
+    assert record.action == "deleted the damaged copy and rewrote it from hot"
+    assert_copies(endpoints, {digest: data})
+    (repaired,) = [p for p in manager.placements(digest) if p.tier == "mirror-b"]
+    assert repaired.last_verified is not None and repaired.last_verified >= damaged
+
+
+def assert_damaged(tier: ColdTier, digest: Digest) -> None:
+    with pytest.raises(IntegrityError):
+        tier.verify(digest)
+
+
+def test_a_vault_of_the_previous_release_keeps_its_mirror_copies_and_scrubs_them(
+    buckets: Buckets, configure: Callable[..., Config], open_store: Any
+) -> None:
+    endpoints = buckets()
+    config = configure(endpoints)
+    data = os.urandom(1 << 20)
+    digest = sha256_of(data)
+    # What the previous release left: the blob on hot and on every mirror, its hot copy in the
+    # journal's placements and its mirror copies in the queue's own table of copies.
+    put_bytes(HotTier(config.hot_path), data)
+    for endpoint in endpoints:
+        with independent_tier(endpoint) as tier:
+            put_bytes(tier, data)
+    stored, verified = time.time() - 20 * 86_400, time.time() - 10 * 86_400
+    write_previous_release(
+        config.data_path,
+        copies=[(digest, name, len(data), verified) for name in NAMES],
+        placements=[(digest, "hot", len(data), stored, verified)],
+    )
+
+    store = open_store(config)
+    manager = manager_of(store)
+    assert {(p.tier, p.last_verified) for p in manager.placements(digest)} == {
+        ("hot", verified),
+        *((f"mirror-{name}", verified) for name in NAMES),
+    }
+    assert "copies" not in tables(queue_path(config))
+    for name, status in statuses(config).items():
+        assert (status.objects, status.bytes, status.queued) == (1, len(data), 0), name
+    # The copies carried over count for replication: the same bytes put again queue nothing.
+    put_bytes(store, data)
+    assert store.queue.pending_count() == 0
+
+    with independent_tier(endpoints[2]) as tier:
+        flip_stored_bit(tier, digest, 12345)
+        assert_damaged(tier, digest)
+    checked = time.time()
+    stats = Scrubber(manager).scrub_all()
+
+    assert (stats.copies, stats.faults, stats.repaired, stats.unrepairable) == (4, 1, 1, 0)
+    (record,) = manager.journal.records(digest)
+    assert (record.tier, record.action) == (
+        "mirror-c",
+        "deleted the damaged copy and rewrote it from hot",
+    )
+    assert_copies(endpoints, {digest: data})
+    assert all((p.last_verified or 0) >= checked for p in manager.placements(digest))

@@ -16,6 +16,7 @@ from tiers.manager import TierManager
 from tiers.maphash import MapHasher
 from tiers.scrub import Scrubber
 from tiers.warm import WarmTier
+from vault.digest import sha256_of
 from vault.store.protocol import get_bytes, put_bytes
 
 
@@ -107,3 +108,30 @@ def test_the_map_hasher_gives_b3sums_digest_and_survives_its_child_dying(
         assert hasher._child is not None and hasher._child.pid != child.pid
     finally:
         hasher.close()
+
+
+def test_the_background_scrubber_gets_past_copies_on_tiers_it_does_not_hold(
+    tmp_path: Path,
+) -> None:
+    # Copies recorded on a mirror no longer configured, never verified: the first in line for
+    # the scrubber, which must not let them fill every batch and starve the copies it holds.
+    hot = HotTier(tmp_path / "hot")
+    with TierManager([("hot", hot)], journal=tmp_path / "tiers.db") as manager:
+        sha256 = put_bytes(manager, content(1000, seed=3)).sha256
+        manager.journal.place_verified(
+            [(sha256_of(bytes([n])), "mirror-gone", 1, 0.0) for n in range(100)]
+        )
+        later = time.time() + 2 * 86_400
+        scrubber = Scrubber(manager, window=86_400, clock=lambda: later)
+        stop = threading.Event()
+        worker = threading.Thread(target=scrubber.run, args=(stop,))
+        worker.start()
+        try:
+            deadline = time.monotonic() + 10
+            while manager.placements(sha256)[0].last_verified != later:
+                assert time.monotonic() < deadline, "the hot copy was never checked"
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            worker.join()
+        assert {p.last_verified for p in manager.journal.placements() if p.tier != "hot"} == {0.0}

@@ -20,7 +20,8 @@ from tiers.manager import ScrubReport, TierManager
 from tiers.warm import WarmTier
 from vault.digest import Digest
 from vault.errors import IntegrityError
-from vault.store.protocol import CHUNK_SIZE, BlobStore, Chunk, get_bytes, put_bytes, read_range
+from vault.store.chunks import CHUNK_SIZE, Chunk
+from vault.store.protocol import BlobStore, get_bytes, put_bytes, read_range
 
 
 def flip_bit(store: BlobStore, sha256: Digest, offset: int, bit: int = 6) -> None:

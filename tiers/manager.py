@@ -1,5 +1,6 @@
 """The tier manager: one BlobStore over an ordered list of tiers that checks every copy it reads,
-serves a read on from a good copy when one is damaged, rewrites the damaged copy and journals it."""
+serves a read on from a good copy when one is damaged, rewrites the damaged copy and journals it
+in the placement record (tiers/placements.py)."""
 
 from __future__ import annotations
 
@@ -7,24 +8,20 @@ import contextlib
 import functools
 import logging
 import queue
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
 
 from tiers.hot import HotTier
+from tiers.placements import Journal, Placement
 from vault.digest import Digest
 from vault.errors import IntegrityError, InvalidArgument, NotFound, Unavailable, VaultError
+from vault.store.chunks import CHUNK_SIZE, BlobInfo, Chunk, ChunkList
 from vault.store.protocol import (
-    CHUNK_SIZE,
-    BlobInfo,
     BlobStore,
     BlobWriter,
-    Chunk,
-    ChunkList,
     Closing,
     CommitHook,
     copy_blob,
@@ -32,49 +29,6 @@ from vault.store.protocol import (
 )
 
 log = logging.getLogger("pinvault.tiers")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS journal (
-    id INTEGER PRIMARY KEY,
-    time REAL NOT NULL,
-    digest TEXT NOT NULL,
-    tier TEXT NOT NULL,
-    chunk_offset INTEGER,
-    found TEXT NOT NULL,
-    action TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS placements (
-    digest TEXT NOT NULL,
-    tier TEXT NOT NULL,
-    PRIMARY KEY (digest, tier)
-) WITHOUT ROWID;
-"""
-# Added to placements after the first release; a journal without them gains them at open.
-# `stored` is when the blob first came to the vault (a migrated copy inherits it), so its age
-# survives moves between tiers.
-_PLACEMENT_COLUMNS: Final = (
-    ("size", "INTEGER"),
-    ("stored", "REAL"),
-    ("last_read", "REAL"),
-    ("last_verified", "REAL"),
-)
-# Reads are counted in memory and written in one transaction at most this often: a read must
-# not pay for a synced write.
-READ_FLUSH_INTERVAL: Final = 5.0
-# The server and a `vault tier` or `vault scrub` command share the journal.
-_BUSY_TIMEOUT_MS: Final = 30_000
-
-
-@dataclass(frozen=True, slots=True)
-class Repair:
-    """One journal record: a damaged or missing copy, and what was done about it."""
-
-    time: float
-    digest: Digest
-    tier: str
-    offset: int | None
-    found: str
-    action: str
 
 
 @dataclass(slots=True)
@@ -96,19 +50,6 @@ class ScrubReport:
     unrepairable: int
 
 
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """One copy in one tier, as journaled: its size, when the blob first came to the vault,
-    when this copy was last read and last verified (None: not since the journal knew it)."""
-
-    digest: Digest
-    tier: str
-    size: int | None
-    stored: float | None
-    last_read: float | None
-    last_verified: float | None
-
-
 @dataclass(slots=True)
 class _Fault:
     tier: int
@@ -123,173 +64,6 @@ class _Outcome:
     repaired: int = 0
 
 
-class Journal:
-    """Repairs and placements in one SQLite file; each record is durable (synchronous=FULL)
-    before the action it announces is taken."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
-        self._db.execute("PRAGMA journal_mode = WAL")
-        self._db.execute("PRAGMA synchronous = FULL")
-        self._db.executescript(_SCHEMA)
-        self._upgrade()
-        self._reads: dict[tuple[str, str], float] = {}
-        self._reads_lock = threading.Lock()
-        self._flushed = time.monotonic()
-
-    def _upgrade(self) -> None:
-        """Add the placement columns a journal of an earlier version lacks; its placements
-        count as stored now, which only keeps them hot longer than their true age would."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                have = {row[1] for row in self._db.execute("PRAGMA table_info(placements)")}
-                for name, kind in _PLACEMENT_COLUMNS:
-                    if name not in have:
-                        self._db.execute(f"ALTER TABLE placements ADD COLUMN {name} {kind}")
-                self._db.execute(
-                    "UPDATE placements SET stored = ? WHERE stored IS NULL", (time.time(),)
-                )
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
-
-    def close(self) -> None:
-        self.flush_reads()
-        with self._lock:
-            self._db.close()
-
-    def record(
-        self, digest: Digest, tier: str, offset: int | None, found: str, action: str
-    ) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT INTO journal (time, digest, tier, chunk_offset, found, action) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (time.time(), str(digest), tier, offset, found, action),
-            )
-
-    def records(self, digest: Digest | None = None) -> list[Repair]:
-        query = "SELECT time, digest, tier, chunk_offset, found, action FROM journal"
-        arguments: tuple[str, ...] = ()
-        if digest is not None:
-            query += " WHERE digest = ?"
-            arguments = (str(digest),)
-        with self._lock:
-            rows = self._db.execute(query + " ORDER BY id", arguments).fetchall()
-        return [Repair(row[0], Digest.parse(row[1]), *row[2:]) for row in rows]
-
-    def place(
-        self,
-        digest: Digest,
-        tier: str,
-        *,
-        size: int | None = None,
-        stored: float | None = None,
-        last_read: float | None = None,
-        verified: float | None = None,
-    ) -> None:
-        """Record a copy; what is given updates a known one, what is not keeps its value. A
-        new placement of a blob the journal already knows inherits its stored time."""
-        with self._lock:
-            self._db.execute(
-                "INSERT INTO placements (digest, tier, size, stored, last_read, last_verified) "
-                "VALUES (?1, ?2, ?3, coalesce(?4, (SELECT min(stored) FROM placements "
-                "WHERE digest = ?1), ?7), ?5, ?6) "
-                "ON CONFLICT (digest, tier) DO UPDATE SET "
-                "size = coalesce(excluded.size, size), "
-                "last_read = CASE WHEN excluded.last_read IS NULL THEN last_read "
-                "ELSE max(excluded.last_read, coalesce(last_read, 0)) END, "
-                "last_verified = coalesce(excluded.last_verified, last_verified)",
-                (str(digest), tier, size, stored, last_read, verified, time.time()),
-            )
-
-    def unplace(self, digest: Digest, tier: str | None = None) -> None:
-        """Forget the blob's copy on `tier`, or every copy of it."""
-        with self._lock:
-            if tier is None:
-                self._db.execute("DELETE FROM placements WHERE digest = ?", (str(digest),))
-            else:
-                self._db.execute(
-                    "DELETE FROM placements WHERE digest = ? AND tier = ?", (str(digest), tier)
-                )
-
-    def note_read(self, digest: Digest, tier: str) -> None:
-        """Count a read of a copy; written to the journal in batches (see flush_reads)."""
-        now = time.time()
-        with self._reads_lock:
-            self._reads[str(digest), tier] = now
-            due = time.monotonic() - self._flushed >= READ_FLUSH_INTERVAL
-        if due:
-            self.flush_reads()
-
-    def flush_reads(self) -> None:
-        """Write the reads counted since the last flush, all in one transaction."""
-        with self._reads_lock:
-            reads, self._reads = self._reads, {}
-            self._flushed = time.monotonic()
-        if not reads:
-            return
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.executemany(
-                    "UPDATE placements SET last_read = max(coalesce(last_read, 0), ?) "
-                    "WHERE digest = ? AND tier = ?",
-                    [(when, digest, tier) for (digest, tier), when in reads.items()],
-                )
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
-
-    _PLACEMENT = "SELECT digest, tier, size, stored, last_read, last_verified FROM placements"
-
-    def placements(self, digest: Digest | None = None) -> list[Placement]:
-        """The journaled copies of one blob, or of every blob, in order of digest."""
-        query = self._PLACEMENT
-        arguments: tuple[str, ...] = ()
-        if digest is not None:
-            query, arguments = query + " WHERE digest = ?", (str(digest),)
-        with self._lock:
-            rows = self._db.execute(query + " ORDER BY digest, tier", arguments).fetchall()
-        return [Placement(Digest.parse(row[0]), *row[1:]) for row in rows]
-
-    def least_recently_verified(self, limit: int) -> list[Placement]:
-        """The copies verified longest ago (never verified first), for the scrubber."""
-        with self._lock:
-            rows = self._db.execute(
-                self._PLACEMENT + " ORDER BY coalesce(last_verified, 0), digest, tier LIMIT ?",
-                (limit,),
-            ).fetchall()
-        return [Placement(Digest.parse(row[0]), *row[1:]) for row in rows]
-
-    def totals(self) -> dict[str, tuple[int, int]]:
-        """Per tier: the copies journaled there and their bytes (of known size)."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT tier, count(*), coalesce(sum(size), 0) FROM placements GROUP BY tier"
-            ).fetchall()
-        return {tier: (count, size) for tier, count, size in rows}
-
-    def placed(self, digest: Digest) -> set[str]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT tier FROM placements WHERE digest = ?", (str(digest),)
-            ).fetchall()
-        return {row[0] for row in rows}
-
-    def placed_digests(self) -> Iterator[Digest]:
-        with self._lock:
-            rows = self._db.execute("SELECT DISTINCT digest FROM placements").fetchall()
-        for (text,) in rows:
-            yield Digest.parse(text)
-
-
 class TierManager(Closing):
     """A BlobStore over named tiers, first tier first. Writes go to the first tier; a read is
     served by the first tier holding a copy, and when that copy fails its check (or vanishes)
@@ -298,8 +72,9 @@ class TierManager(Closing):
 
     A damaged copy is deleted only once another tier's copy has passed a full verify, so a
     blob never loses its last copy, even a damaged one, to a repair. The journal also keeps
-    the placements this manager has made or seen verified, so that a copy missing from a tier
-    that should hold it counts as a fault rather than as "never there".
+    the placement record: the copies this manager has made or seen verified, and those mirror
+    replication made, so that a copy missing from a tier that should hold it counts as a fault
+    rather than as "never there".
     """
 
     def __init__(

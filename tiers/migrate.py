@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tiers.manager import TierManager
+from tiers.placements import MIRROR_TIER_PREFIX, mirror_tier
 from tiers.policy import COLD, HOT, WARM, BlobFacts, Decision, plan
 from tiers.worker import Worker
 from vault.digest import Digest
@@ -51,7 +52,7 @@ class MigrationReport:
 class Migrator:
     """Moves blobs between the manager's tiers named `hot` and `warm`; mirrors (tiers named
     `mirror-…`) are the cold tier, filled by replication and counted through `mirror_copies`
-    (the mirrors the replication queue holds a verified copy on).
+    (the mirrors the placement record has a copy on: `ReplicationQueue.copies`).
 
     For each blob that moves, under the manager's repair lock: copy to the target (every
     chunk checked as read, the digest on commit), verify the target's copy whole, journal it,
@@ -251,7 +252,7 @@ class Migrator:
     def _mirrors(self, digest: Digest) -> list[str]:
         if self.mirror_copies is None:
             return []
-        return [f"mirror-{name}" for name in sorted(self.mirror_copies(digest))]
+        return [mirror_tier(name) for name in sorted(self.mirror_copies(digest))]
 
     def _step(self, step: str, digest: Digest) -> None:
         if self.on_step is not None:
@@ -281,7 +282,7 @@ class MigrationWorker(Worker):
 
 
 def _class_of(tier: str) -> str:
-    return COLD if tier.startswith("mirror-") else tier
+    return COLD if tier.startswith(MIRROR_TIER_PREFIX) else tier
 
 
 def _copies(elsewhere: list[str], required: int) -> str:

@@ -1,6 +1,7 @@
-"""The scrubber: re-verifies every journaled copy on every tier, least recently verified first,
-at a bounded rate so that it does not starve reads, and hands any damaged or missing copy to
-the tier manager's repair; `vault scrub` runs it once, `vault serve` all the time."""
+"""The scrubber: re-verifies every copy in the placement record on every tier the tier manager
+holds (mirror copies that replication made included), least recently verified first, at a
+bounded rate so that it does not starve reads, and hands any damaged or missing copy to the
+tier manager's repair; `vault scrub` runs it once, `vault serve` all the time."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ from typing import Final
 import blake3
 
 from tiers.hot import HotTier
-from tiers.manager import Placement, TierManager
+from tiers.manager import TierManager
 from tiers.maphash import MapHasher
+from tiers.placements import MIRROR_TIER_PREFIX, Placement
 from tiers.worker import Worker
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound, Unavailable, VaultError
-from vault.store.protocol import BlobStore, ChunkList
+from vault.store.chunks import ChunkList
+from vault.store.protocol import BlobStore
 
 log = logging.getLogger("pinvault.tiers")
 
@@ -160,9 +163,10 @@ class Scrubber:
         progress: Callable[[int, int], None] | None = None,
         stop: threading.Event | None = None,
     ) -> ScrubStats:
-        """Check every journaled copy now, after journaling local copies the journal did not
-        know; `progress` is told the bytes checked so far and the total."""
-        self.manager.adopt([n for n in self.manager.names if not n.startswith("mirror-")])
+        """Check now every copy the placement record has on the manager's tiers (mirror
+        copies made by replication too), after recording local copies it did not know;
+        `progress` is told the bytes checked so far and the total."""
+        self.manager.adopt([n for n in self.manager.names if not n.startswith(MIRROR_TIER_PREFIX)])
         placements = [p for p in self.manager.journal.placements() if p.tier in self.manager.names]
         total = sum(p.size or 0 for p in placements)
         stats = ScrubStats()
@@ -182,8 +186,8 @@ class Scrubber:
         stats = ScrubStats()
         warned = False
         while not stop.is_set():
-            batch = self.manager.journal.least_recently_verified(_BATCH)
-            due = [p for p in batch if self._age(p) >= self.window and p.tier in self.manager.names]
+            batch = self.manager.journal.least_recently_verified(_BATCH, self.manager.names)
+            due = [p for p in batch if self._age(p) >= self.window]
             if not due:
                 oldest = min((self._age(p) for p in batch), default=0.0)
                 stop.wait(min(_IDLE, max(self.window - oldest, 1.0)))
