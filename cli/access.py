@@ -13,13 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from vault.client import VaultClient
-from vault.config import Config
-from vault.server.auth import ROLES, check_name, check_role
+from vault.config import ROLES, Config, check_name, check_role
 
 Connect = Callable[[Config], VaultClient]
+# `vault token create --offline`, which writes into the vault's database on its host
+# (cli/serve.py): given the config, name, team and role, the token's id, role and secret.
+CreateOffline = Callable[[Config, str, str, str], tuple[str, str, str]]
 
 
-def add_access_commands(sub: Any, connect: Connect) -> None:
+def add_access_commands(sub: Any, connect: Connect, create_offline: CreateOffline) -> None:
     p = sub.add_parser("token", help="create, list and revoke bearer tokens (administrators)")
     commands = p.add_subparsers(dest="token_command", required=True, metavar="COMMAND")
     q = commands.add_parser("create", help="print a new token's secret (shown once)")
@@ -32,7 +34,7 @@ def add_access_commands(sub: Any, connect: Connect) -> None:
         help="write into the vault's database directly (on its host; for the first admin token)",
     )
     q.add_argument("--json", action="store_true")
-    q.set_defaults(func=partial(_create, connect=connect))
+    q.set_defaults(func=partial(_create, connect=connect, create_offline=create_offline))
     q = commands.add_parser("list", help="every token: id, holder, team, role, state")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=partial(_list, connect=connect))
@@ -59,19 +61,11 @@ def add_access_commands(sub: Any, connect: Connect) -> None:
 # ---------------------------------------------------------------------- tokens
 
 
-def _create(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+def _create(
+    args: argparse.Namespace, config: Config, *, connect: Connect, create_offline: CreateOffline
+) -> int:
     if args.offline:
-        from cli.serve import connect as open_db
-        from vault.server.tokens import TokenStore
-
-        db = open_db(config.database_url)
-        store = TokenStore(db)
-        try:
-            info, secret = store.create(name=args.name, team=args.team, role=args.role)
-        finally:
-            store.close()
-            db.dispose()
-        token_id, role = info.token_id, info.role
+        token_id, role, secret = create_offline(config, args.name, args.team, args.role)
     else:
         check_name("name", args.name)
         check_name("team", args.team)

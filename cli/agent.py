@@ -23,6 +23,7 @@ from typing import Any, Final
 
 import grpc
 
+from cli.output import error_line
 from vault.client import VaultClient
 from vault.config import Config
 from vault.errors import FailedPrecondition, InvalidArgument, Unavailable, VaultError
@@ -313,10 +314,6 @@ def _listening(path: str, mode: int, agent: Agent) -> Iterator[_Server]:
 
 
 def _serve(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
-    # cli.main imports this module to add the command, so its error_line (the command's very
-    # wording, which the plugin shows users) is imported once both are loaded.
-    from cli.main import error_line
-
     path = _socket_path(args.listen)
     # The command logs warnings only; the agent's decisions are its journal.
     log.setLevel(logging.INFO)

@@ -14,8 +14,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from vault.config import check_name, check_role
 from vault.errors import InvalidArgument
-from vault.server.auth import check_name, check_role
 
 CERT_DAYS = 825
 

@@ -4,53 +4,30 @@ from __future__ import annotations
 
 import argparse
 import base64
-import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any, Final, NoReturn
+from typing import Any, NoReturn
 
 from cli.access import add_access_commands
 from cli.agent import add_agent_commands
 from cli.dataset import add_dataset_commands
 from cli.mirror import add_mirror_commands
+from cli.output import error_line, print_json
 from cli.progress import Progress
 from cli.run import add_run_commands
+from cli.serve import add_serve_command, create_token_offline
 from cli.tier import add_tier_commands
 from vault import config as config_module
 from vault.client import BlobInfo, ProvenEntry, VaultClient
 from vault.client.connect import open_client
 from vault.config import Config
 from vault.digest import Digest
-from vault.errors import (
-    FailedPrecondition,
-    IntegrityError,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
-    QuotaExceeded,
-    Unauthenticated,
-    Unavailable,
-    VaultError,
-)
+from vault.errors import InvalidArgument, VaultError
 from vault.ledger.entry import KINDS, Entry
 from vault.store.allocator import keep_freed_buffers
-
-# The status a user is told: the one the server answered with, or the one it would give the
-# same error found before any request. A failed proof or signature check (VerificationError)
-# is the client's own finding and has no status.
-_STATUS: Final = (
-    (InvalidArgument, "INVALID_ARGUMENT"),
-    (NotFound, "NOT_FOUND"),
-    (FailedPrecondition, "FAILED_PRECONDITION"),
-    (IntegrityError, "DATA_LOSS"),
-    (Unavailable, "UNAVAILABLE"),
-    (QuotaExceeded, "RESOURCE_EXHAUSTED"),
-    (Unauthenticated, "UNAUTHENTICATED"),
-    (PermissionDenied, "PERMISSION_DENIED"),
-)
 
 
 def _client(config: Config) -> VaultClient:
@@ -88,26 +65,7 @@ def _entry_line(entry: Entry) -> str:
     )
 
 
-def error_line(exc: VaultError) -> str:
-    """The one line the command prints for an error: its status, if any, and its message."""
-    message = " ".join(str(exc).split())
-    for kind, status in _STATUS:
-        if isinstance(exc, kind):
-            return f"{status}: {message}"
-    return message
-
-
-def _print_json(value: Any) -> None:
-    print(json.dumps(value, indent=None, ensure_ascii=False))
-
-
 # ---------------------------------------------------------------------- commands
-
-
-def cmd_serve(args: argparse.Namespace, config: Config) -> int:
-    from cli.serve import serve
-
-    return serve(config, args.listen)
 
 
 def cmd_put(args: argparse.Namespace, config: Config) -> int:
@@ -133,7 +91,7 @@ def cmd_put(args: argparse.Namespace, config: Config) -> int:
             if not args.json:
                 print(f"{result.blob.sha256}  {result.blob.blake3}  {path}")
     if args.json:
-        _print_json(results if len(results) > 1 else results[0])
+        print_json(results if len(results) > 1 else results[0])
     return 0
 
 
@@ -155,7 +113,7 @@ def cmd_get(args: argparse.Namespace, config: Config) -> int:
                 if bar:
                     bar.close()
             if args.json:
-                _print_json({"path": args.output, **_blob_dict(info)})
+                print_json({"path": args.output, **_blob_dict(info)})
             return 0
         reader = client.open(args.digest, offset=args.offset, length=args.length)
         out = sys.stdout.buffer
@@ -169,7 +127,7 @@ def cmd_stat(args: argparse.Namespace, config: Config) -> int:
     with _client(config) as client:
         stat = client.stat(args.digest)
     if args.json:
-        _print_json({**_blob_dict(stat.blob), "pins": [_entry_dict(e) for e in stat.pins]})
+        print_json({**_blob_dict(stat.blob), "pins": [_entry_dict(e) for e in stat.pins]})
         return 0
     print(f"sha256     {stat.blob.sha256}")
     print(f"blake3     {stat.blob.blake3}")
@@ -189,7 +147,7 @@ def cmd_find_missing(args: argparse.Namespace, config: Config) -> int:
     with _client(config) as client:
         missing = client.find_missing(digests)
     if args.json:
-        _print_json({"missing": missing})
+        print_json({"missing": missing})
     else:
         for d in missing:
             print(d)
@@ -223,7 +181,7 @@ def cmd_pin(args: argparse.Namespace, config: Config) -> int:
             args.kind, args.digests, meta=_parse_meta(args.meta), external=args.external
         )
     if args.json:
-        _print_json(_proven_dict(proven))
+        print_json(_proven_dict(proven))
     else:
         subjects = " ".join(proven.entry.subjects)
         print(f"pinned as entry {proven.entry.index}: {proven.entry.kind} {subjects}")
@@ -235,7 +193,7 @@ def cmd_lookup(args: argparse.Namespace, config: Config) -> int:
     with _client(config) as client:
         found = client.lookup(args.digest)
     if args.json:
-        _print_json([_proven_dict(p) for p in found])
+        print_json([_proven_dict(p) for p in found])
         return 0
     checkpoint = found[0].checkpoint
     print(f"{len(found)} entr{'y' if len(found) == 1 else 'ies'} pin {args.digest}")
@@ -260,7 +218,7 @@ def cmd_log(args: argparse.Namespace, config: Config) -> int:
             until=args.until or "",
         ):
             if args.json:
-                _print_json(_entry_dict(entry))
+                print_json(_entry_dict(entry))
             else:
                 print(_entry_line(entry))
     return 0
@@ -293,7 +251,7 @@ def cmd_proof(args: argparse.Namespace, config: Config) -> int:
                 "hashes": [h.hex() for h in c.hashes],
             }
     if args.json:
-        _print_json(value)
+        print_json(value)
     else:
         for key, item in value.items():
             if key == "hashes":
@@ -387,9 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("serve", help="run the vault server")
-    p.add_argument("--listen", help="address to listen on (host:port, port 0 picks one; unix:PATH)")
-    p.set_defaults(func=cmd_serve)
+    add_serve_command(sub)
 
     p = sub.add_parser("put", help="store files (or - for standard input); prints their digests")
     p.add_argument("paths", nargs="+", metavar="PATH")
@@ -469,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_mirror_commands(sub)
     add_tier_commands(sub)
     add_run_commands(sub, _client)
-    add_access_commands(sub, _client)
+    add_access_commands(sub, _client, create_token_offline)
     add_agent_commands(sub, _client)
     return parser
 

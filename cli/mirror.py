@@ -1,110 +1,19 @@
 """`vault mirror status|sync|repair`, run on the vault's host against its config and data folder
-(the replication queue is a SQLite file there, safe to share with a running `vault serve`),
-and the composition of mirrors into the content store for `vault serve`."""
+(the replication queue is a SQLite file there, safe to share with a running `vault serve`): the
+mirrors are opened and worked on by vault/server/mirror_admin.py, and the results printed here."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tiers.policy import size_text
+from cli.output import print_json
 from vault.config import Config
-from vault.errors import IntegrityError, InvalidArgument, Unavailable
-from vault.store.protocol import BlobStore, Closing
+from vault.errors import IntegrityError, Unavailable
+from vault.files import size_text
 
-# The mirror modules (and botocore under them) load only when a mirror command or a server
-# with mirrors needs them: every `vault` command, the Slurm plugin's too, starts quicker.
-if TYPE_CHECKING:
-    from mirror.mirrors import MirrorSet
-    from mirror.store import ReplicatingStore
-    from tiers.hot import HotTier
-
-TIER_JOURNAL = "tiers.db"
-# `vault mirror status` must answer promptly even when a mirror hangs.
-_PROBE_TIMEOUT = 5.0
-
-
-def mirrors_configured(config: Config) -> bool:
-    return bool(config.mirrors.endpoints.strip())
-
-
-def open_mirror_set(config: Config, *, probe: bool = False) -> MirrorSet:
-    """The configured mirrors; with `probe`, with timeouts short enough for a status report."""
-    from mirror.mirrors import open_mirrors, parse_endpoints
-
-    settings = config.mirrors
-    endpoints = parse_endpoints(
-        settings.endpoints,
-        environ=os.environ,
-        credentials_prefix=settings.credentials_prefix,
-        region=settings.region,
-    )
-    if not endpoints:
-        raise InvalidArgument("no mirrors configured: set mirrors.endpoints")
-    limit = _PROBE_TIMEOUT if probe else float("inf")
-    return open_mirrors(
-        endpoints,
-        replicas=settings.replicas,
-        connect_timeout=min(settings.connect_timeout, limit),
-        read_timeout=min(settings.read_timeout, limit),
-        attempts=1 if probe else settings.attempts,
-    )
-
-
-def queue_path(config: Config) -> Path:
-    from mirror.queue import FILE_NAME
-
-    return config.data_path / FILE_NAME
-
-
-def open_replicating_store(
-    config: Config,
-    hot: HotTier,
-    *,
-    extra_tiers: Sequence[tuple[str, BlobStore]] = (),
-    promote: bool = False,
-    owned: Sequence[Closing] = (),
-) -> ReplicatingStore:
-    """For `vault serve`: the hot tier first, then `extra_tiers` (the warm tier), then the
-    mirrors, under one tier manager (so a read a copy fails is served and repaired from
-    another), with every put queued for its mirror copies and the replication worker
-    started. `owned` are closed with the manager."""
-    from mirror.queue import ReplicationQueue
-    from mirror.replicate import Replicator
-    from mirror.store import MirrorReads, ReplicatingStore
-    from tiers.manager import TierManager
-
-    mirrors = open_mirror_set(config)
-    queue = ReplicationQueue(queue_path(config))
-    manager = TierManager(
-        [
-            ("hot", hot),
-            *extra_tiers,
-            *((f"mirror-{m.name}", MirrorReads(m)) for m in mirrors),
-        ],
-        journal=config.data_path / TIER_JOURNAL,
-        promote=promote,
-        owned=list(owned),
-    )
-    replicator = Replicator(
-        manager,
-        mirrors,
-        queue,
-        retry_min=config.mirrors.retry_min,
-        retry_max=config.mirrors.retry_max,
-    )
-    replicator.start()
-    # Copies queued before a restart are due at once: the mirror may well be back.
-    queue.retry_now()
-    replicator.notify()
-    return ReplicatingStore(manager, mirrors, queue, replicator)
-
-
-# -- the commands ------------------------------------------------------------------------------
+# The server's modules (and the mirrors and botocore under them) load only when a command here
+# runs: every other `vault` command, the Slurm plugin's too, starts without them.
 
 
 def add_mirror_commands(sub: Any) -> None:
@@ -135,22 +44,12 @@ def add_mirror_commands(sub: Any) -> None:
     q.set_defaults(func=_repair)
 
 
-def _print_json(value: Any) -> None:
-    print(json.dumps(value, ensure_ascii=False))
-
-
 def _status(args: argparse.Namespace, config: Config) -> int:
-    from mirror.queue import ReplicationQueue
-    from mirror.status import mirror_status
+    from vault.server import mirror_admin
 
-    with open_mirror_set(config, probe=True) as mirrors:
-        queue = ReplicationQueue(queue_path(config))
-        try:
-            found = mirror_status(mirrors, queue)
-        finally:
-            queue.close()
+    found = mirror_admin.status(config)
     if args.json:
-        _print_json([status.as_json() for status in found])
+        print_json([status.as_json() for status in found])
         return 0
     print(f"{'mirror':<12} {'reachable':<9} {'objects':>8} {'bytes':>10} {'queued':>7} lag")
     for s in found:
@@ -166,26 +65,12 @@ def _status(args: argparse.Namespace, config: Config) -> int:
 
 
 def _sync(args: argparse.Namespace, config: Config) -> int:
-    from mirror.queue import ReplicationQueue
-    from mirror.repair import queue_missing
-    from mirror.replicate import DrainReport, Replicator
-    from tiers.hot import HotTier
+    from vault.server import mirror_admin
 
-    hot = HotTier(config.hot_path)
-    with open_mirror_set(config) as mirrors:
-        queue = ReplicationQueue(queue_path(config))
-        try:
-            queued = queue_missing(hot, mirrors, queue)
-            reports: dict[str, DrainReport] = {}
-            if not args.queue_only:
-                queue.retry_now()
-                replicator = Replicator(hot, mirrors, queue)
-                reports = {mirror.name: replicator.drain(mirror) for mirror in mirrors}
-            left = {name: counts.queued for name, counts in queue.counts().items()}
-        finally:
-            queue.close()
+    synced = mirror_admin.sync(config, queue_only=args.queue_only)
+    queued, drained, left = synced.queued, synced.drained, synced.left
     if args.json:
-        _print_json(
+        print_json(
             {
                 "queued": queued,
                 "mirrors": {
@@ -195,13 +80,13 @@ def _sync(args: argparse.Namespace, config: Config) -> int:
                         "failed": r.failed,
                         "left": left.get(name, 0),
                     }
-                    for name, r in reports.items()
+                    for name, r in drained.items()
                 },
             }
         )
     else:
         print(f"queued {queued} copies")
-        for name, r in reports.items():
+        for name, r in drained.items():
             print(
                 f"{name}: copied {r.copied} ({size_text(r.copied_bytes)}), failed {r.failed}, "
                 f"{left.get(name, 0)} left"
@@ -217,19 +102,11 @@ def _sync(args: argparse.Namespace, config: Config) -> int:
 
 
 def _repair(args: argparse.Namespace, config: Config) -> int:
-    from mirror.queue import ReplicationQueue
-    from mirror.repair import repair
-    from tiers.hot import HotTier
+    from vault.server import mirror_admin
 
-    hot: BlobStore = HotTier(config.hot_path)
-    with open_mirror_set(config) as mirrors:
-        queue = ReplicationQueue(queue_path(config))
-        try:
-            report = repair(hot, mirrors, queue)
-        finally:
-            queue.close()
+    report = mirror_admin.repair(config)
     if args.json:
-        _print_json(
+        print_json(
             {
                 "checked": report.checked,
                 "verified": report.verified,

@@ -6,6 +6,8 @@ import sys
 import time
 from typing import TextIO
 
+from vault.files import size_text
+
 
 class Progress:
     def __init__(
@@ -59,11 +61,4 @@ class Progress:
 
 
 def _human(n: int, unit: str) -> str:
-    if unit != "B":
-        return f"{n:,} {unit}"
-    value = float(n)
-    for prefix in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or prefix == "TiB":
-            return f"{value:.0f} {prefix}" if prefix == "B" else f"{value:.1f} {prefix}"
-        value /= 1024
-    return f"{n} B"
+    return size_text(n) if unit == "B" else f"{n:,} {unit}"

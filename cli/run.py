@@ -31,7 +31,7 @@ from vault.config import (
 from vault.digest import Digest
 from vault.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from vault.ledger.runid import parse_seed
-from vault.runs.library import load_run_manifest
+from vault.runs import load_run_manifest
 
 Connect = Callable[[Config], VaultClient]
 

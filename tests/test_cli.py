@@ -32,7 +32,7 @@ from vault.errors import IntegrityError, VerificationError
 from vault.ledger.checkpoint import Verifier
 from vault.ledger.entry import KINDS, Entry
 from vault.ledger.merkle import verify_consistency, verify_inclusion
-from vault.store.protocol import CHUNK_SIZE
+from vault.store.chunks import CHUNK_SIZE
 from vault.wire import pinvault_pb2 as pb
 
 MiB = CHUNK_SIZE

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from tests.services.vault_server import VaultServer
 from vault.client import read_all
 from vault.errors import IntegrityError, NotFound
-from vault.store.protocol import CHUNK_SIZE
+from vault.store.chunks import CHUNK_SIZE
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final
 
 from vault.digest import Digest
+from vault.files import size_text
 
 if TYPE_CHECKING:
     from vault.config import PolicyConfig
@@ -158,12 +159,3 @@ def _days(seconds: float) -> str:
     if days < 1:
         return f"{max(seconds, 0) / 3600:.0f} hours"
     return f"{days:.0f} days"
-
-
-def size_text(count: int) -> str:
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")

@@ -99,6 +99,36 @@ class AuthConfig:
     client_ca: str = ""
 
 
+# Who a credential names and what it allows: the roles a token or client certificate carries,
+# and the rule for its holder's name and team. Here, beside [auth], because the server enforces
+# them (vault.server.auth) and the client-side commands that issue credentials (`vault token`,
+# `vault keys`) check them first. What each permission covers: read blobs and proofs; write
+# blobs and pins; submit one's own team's jobs (admission, replays); schedule, that is submit
+# for any team; audit the whole ledger; manage tokens.
+ROLES: Final[Mapping[str, frozenset[str]]] = {
+    "reader": frozenset({"read"}),
+    "writer": frozenset({"read", "write", "submit"}),
+    "auditor": frozenset({"read", "audit"}),
+    "scheduler": frozenset({"read", "submit", "schedule"}),
+    "admin": frozenset({"read", "write", "submit", "schedule", "audit", "admin"}),
+}
+_NAME_LIMIT: Final = 128
+
+
+def check_name(what: str, value: str) -> str:
+    if not value or len(value) > _NAME_LIMIT or not value.isprintable() or value != value.strip():
+        raise InvalidArgument(
+            f"{what} must be 1 to {_NAME_LIMIT} printable characters, found {value[:40]!r}"
+        )
+    return value
+
+
+def check_role(role: str) -> str:
+    if role not in ROLES:
+        raise InvalidArgument(f"unknown role {role!r}: expected one of {', '.join(ROLES)}")
+    return role
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     server: str = "127.0.0.1:7411"

@@ -1,6 +1,7 @@
 """File helpers shared by the local tiers, dataset checkout, the run library and both halves of
 the file handoff: complete writes, folder syncs (a rename or a new file is durable only once
-its folder is synced), and Unix socket addresses of any length."""
+its folder is synced), Unix socket addresses of any length, and byte counts as people read
+them."""
 
 from __future__ import annotations
 
@@ -49,3 +50,13 @@ def unix_address(path: str) -> Iterator[str]:
         yield f"/proc/self/fd/{fd}/{name}"
     finally:
         os.close(fd)
+
+
+def size_text(count: int) -> str:
+    """A byte count as people read it: 512 B, 1.5 MiB."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

@@ -1,6 +1,7 @@
 """Who may do what. Every call is made by an identity (a name, a team and a role), known from a
-bearer token or a client certificate; each RPC needs one permission, and each role grants a
-set of them. The embedded default is local mode: one user, on loopback or a Unix socket only.
+bearer token or a client certificate; each RPC needs one permission, and each role
+(`vault.config.ROLES`) grants a set of them. The embedded default is local mode: one user, on
+loopback or a Unix socket only.
 """
 
 from __future__ import annotations
@@ -10,20 +11,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
+from vault.config import ROLES
 from vault.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
 MODES: Final = ("local", "credentials")
-
-# What each permission covers: read blobs and proofs; write blobs and pins; submit one's own
-# team's jobs (admission, replays); schedule, that is submit for any team; audit the whole
-# ledger; manage tokens.
-ROLES: Final[Mapping[str, frozenset[str]]] = {
-    "reader": frozenset({"read"}),
-    "writer": frozenset({"read", "write", "submit"}),
-    "auditor": frozenset({"read", "audit"}),
-    "scheduler": frozenset({"read", "submit", "schedule"}),
-    "admin": frozenset({"read", "write", "submit", "schedule", "audit", "admin"}),
-}
 
 # Every RPC the vault serves and the permission it needs; a method missing here is refused.
 PERMISSIONS: Final[Mapping[str, str]] = {
@@ -54,7 +45,6 @@ PERMISSIONS: Final[Mapping[str, str]] = {
 }
 
 TOKEN_PREFIX: Final = "pv_"
-_NAME_LIMIT: Final = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,20 +81,6 @@ CALLER: contextvars.ContextVar[Identity] = contextvars.ContextVar("caller", defa
 def caller() -> Identity:
     """The identity of the call being served."""
     return CALLER.get()
-
-
-def check_name(what: str, value: str) -> str:
-    if not value or len(value) > _NAME_LIMIT or not value.isprintable() or value != value.strip():
-        raise InvalidArgument(
-            f"{what} must be 1 to {_NAME_LIMIT} printable characters, found {value[:40]!r}"
-        )
-    return value
-
-
-def check_role(role: str) -> str:
-    if role not in ROLES:
-        raise InvalidArgument(f"unknown role {role!r}: expected one of {', '.join(ROLES)}")
-    return role
 
 
 # ---------------------------------------------------------------------- certificates

@@ -17,15 +17,8 @@ from vault.digest import Digest, check_digest
 from vault.errors import IntegrityError, InvalidArgument, NotFound, VaultError
 from vault.ledger import db as tables
 from vault.ledger.db import Database, Writer
-from vault.store.protocol import (
-    BatchBlob,
-    BlobInfo,
-    BlobStore,
-    Chunk,
-    Placed,
-    PlacementRecord,
-    put_many,
-)
+from vault.store.chunks import BlobInfo, Chunk
+from vault.store.protocol import BatchBlob, BlobStore, Placed, PlacementRecord, put_many
 
 _QUERY_BATCH: Final = 450
 

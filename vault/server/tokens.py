@@ -1,5 +1,5 @@
-"""Bearer tokens, kept as hashes in the vault's database (see `vault.auth` for what a token's
-role allows)."""
+"""Bearer tokens, kept as hashes in the vault's database (see `vault.server.auth` for what a
+token's role allows)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
 
+from vault.config import Config, check_name, check_role
 from vault.errors import NotFound, Unauthenticated
 from vault.ledger.db import Database, Writer
-from vault.server.auth import TOKEN_PREFIX, Identity, check_name, check_role
+from vault.server.auth import TOKEN_PREFIX, Identity
+from vault.server.database import open_ledger_database
 
 # A revocation reaches every server within this many seconds.
 TOKEN_CACHE_SECONDS: Final = 5.0
@@ -114,3 +116,15 @@ class TokenStore:
         if identity is None or not hmac.compare_digest(stored_hash, _hash(secret)):
             raise Unauthenticated(f"token {TOKEN_PREFIX}{token_id} is unknown or revoked")
         return identity
+
+
+def create_offline(config: Config, *, name: str, team: str, role: str) -> tuple[TokenInfo, str]:
+    """A new token written straight into the vault's database, no server asked: the first
+    administrator's (`vault token create --offline`, on the vault's host)."""
+    db = open_ledger_database(config)
+    store = TokenStore(db)
+    try:
+        return store.create(name=name, team=team, role=role)
+    finally:
+        store.close()
+        db.dispose()

@@ -1,0 +1,186 @@
+"""The content store a vault runs on, put together from the config: the hot tier alone, or the
+hot tier, the warm tier and the mirrors under one tier manager, with every put queued for its
+mirror copies and the replication worker running beside it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+from tiers.placements import JOURNAL_FILE_NAME
+from vault.config import Config
+from vault.errors import InvalidArgument
+from vault.store.protocol import BlobStore, Closing
+
+# The tier and mirror modules (and botocore under them) load only when a store needs them: a
+# host command that opens no mirror starts without them.
+if TYPE_CHECKING:
+    from mirror.mirrors import MirrorSet
+    from mirror.queue import ReplicationQueue
+    from mirror.store import ReplicatingStore
+    from tiers.hot import HotTier
+    from tiers.manager import TierManager
+
+log = logging.getLogger("pinvault")
+
+# `vault mirror status` must answer promptly even when a mirror hangs.
+_PROBE_TIMEOUT: Final = 5.0
+
+
+def warm_configured(config: Config) -> bool:
+    return bool(config.store.warm_dir.strip())
+
+
+def warm_path(config: Config) -> Path:
+    return Path(config.store.warm_dir).expanduser()
+
+
+def mirrors_configured(config: Config) -> bool:
+    return bool(config.mirrors.endpoints.strip())
+
+
+def hot_capacity(config: Config) -> Callable[[], int]:
+    """policy.hot_capacity_bytes, or the size of the file system the hot tier is on."""
+
+    def capacity() -> int:
+        return config.policy.hot_capacity_bytes or shutil.disk_usage(config.hot_path).total
+
+    return capacity
+
+
+def open_hot_tier(config: Config) -> HotTier:
+    from tiers.hot import HotTier
+
+    return HotTier(config.hot_path)
+
+
+def open_mirror_set(config: Config, *, probe: bool = False) -> MirrorSet:
+    """The configured mirrors; with `probe`, with timeouts short enough for a status report."""
+    from mirror.mirrors import open_mirrors, parse_endpoints
+
+    settings = config.mirrors
+    endpoints = parse_endpoints(
+        settings.endpoints,
+        environ=os.environ,
+        credentials_prefix=settings.credentials_prefix,
+        region=settings.region,
+    )
+    if not endpoints:
+        raise InvalidArgument("no mirrors configured: set mirrors.endpoints")
+    limit = _PROBE_TIMEOUT if probe else float("inf")
+    return open_mirrors(
+        endpoints,
+        replicas=settings.replicas,
+        connect_timeout=min(settings.connect_timeout, limit),
+        read_timeout=min(settings.read_timeout, limit),
+        attempts=1 if probe else settings.attempts,
+    )
+
+
+def queue_path(config: Config) -> Path:
+    from mirror.queue import FILE_NAME
+
+    return config.data_path / FILE_NAME
+
+
+def open_replication_queue(config: Config) -> ReplicationQueue:
+    """The durable queue of mirror copies still to make; a SQLite file in the data folder, safe
+    to share between a running server and a host command."""
+    from mirror.queue import ReplicationQueue
+
+    return ReplicationQueue(queue_path(config))
+
+
+def open_replicating_store(
+    config: Config,
+    hot: HotTier,
+    *,
+    extra_tiers: Sequence[tuple[str, BlobStore]] = (),
+    promote: bool = False,
+    owned: Sequence[Closing] = (),
+) -> ReplicatingStore:
+    """The hot tier first, then `extra_tiers` (the warm tier), then the mirrors, under one tier
+    manager (so a read a copy fails is served and repaired from another), with every put
+    queued for its mirror copies and the replication worker started. `owned` are closed with
+    the manager."""
+    from mirror.queue import ReplicationQueue
+    from mirror.replicate import Replicator
+    from mirror.store import MirrorReads, ReplicatingStore
+    from tiers.manager import TierManager
+
+    mirrors = open_mirror_set(config)
+    manager = TierManager(
+        [
+            ("hot", hot),
+            *extra_tiers,
+            *((f"mirror-{m.name}", MirrorReads(m)) for m in mirrors),
+        ],
+        journal=config.data_path / JOURNAL_FILE_NAME,
+        promote=promote,
+        owned=list(owned),
+    )
+    # Replication records its copies in the manager's placement record, where scrub finds them.
+    queue = ReplicationQueue(queue_path(config), placements=manager.journal)
+    replicator = Replicator(
+        manager,
+        mirrors,
+        queue,
+        retry_min=config.mirrors.retry_min,
+        retry_max=config.mirrors.retry_max,
+    )
+    replicator.start()
+    # Copies queued before a restart are due at once: the mirror may well be back.
+    queue.retry_now()
+    replicator.notify()
+    return ReplicatingStore(manager, mirrors, queue, replicator)
+
+
+def open_tiered_store(config: Config, hot: HotTier) -> BlobStore:
+    """Hot, warm, then the mirrors if configured, under one tier manager (with every put
+    queued for its mirror copies, as `open_replicating_store` does)."""
+    from tiers.manager import TierManager
+    from tiers.warm import WarmTier
+
+    warm = WarmTier(warm_path(config))
+    promote = config.policy.promote_on_read
+    if mirrors_configured(config):
+        return open_replicating_store(
+            config, hot, extra_tiers=[("warm", warm)], promote=promote, owned=[warm]
+        )
+    return TierManager(
+        [("hot", hot), ("warm", warm)],
+        journal=config.data_path / JOURNAL_FILE_NAME,
+        promote=promote,
+        owned=[warm],
+    )
+
+
+def open_content_store(config: Config) -> BlobStore:
+    """The hot tier alone, or, with store.warm_dir or [mirrors] configured, the hot tier, the
+    warm tier and the mirrors under the tier manager, with every put queued for replication
+    when there are mirrors."""
+    hot = open_hot_tier(config)
+    if warm_configured(config):
+        log.info("warm tier %s", config.store.warm_dir)
+        return open_tiered_store(config, hot)
+    if not mirrors_configured(config):
+        return hot
+    store = open_replicating_store(config, hot, promote=config.policy.promote_on_read)
+    log.info(
+        "mirrors %s, %d replicas of each blob",
+        ", ".join(store.mirrors.names),
+        store.mirrors.replicas,
+    )
+    return store
+
+
+def manager_of(store: BlobStore) -> TierManager | None:
+    """The tier manager under the store, if it has tiers to manage."""
+    from tiers.manager import TierManager
+
+    inner = getattr(store, "inner", store)
+    return inner if isinstance(inner, TierManager) else None

@@ -1,0 +1,242 @@
+"""The Ledger service: pins appended by group commit, look-ups answered with inclusion proofs
+against one signed checkpoint, the log, checkpoints and proofs, and the stored entries and
+checkpoints an auditor re-derives."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Final
+
+from vault.digest import Digest, check_digest
+from vault.errors import FailedPrecondition, InvalidArgument, NotFound, VaultError
+from vault.ledger.log import Ledger, LogFilter, PinSpec, SignedCheckpoint, StoredEntry
+from vault.server.auth import Identity, caller
+from vault.server.content import Content
+from vault.server.edge import Service, streaming, unary, unary_async
+from vault.wire import pinvault_pb2 as pb
+from vault.wire import pinvault_pb2_grpc as rpc
+
+MAX_LOG_PAGE: Final = 1000
+MAX_LOOKUP_BATCH: Final = 100_000
+
+
+def entry_message(entry: StoredEntry) -> pb.Entry:
+    return pb.Entry(index=entry.index, body=entry.body)
+
+
+def _checkpoint(signed: SignedCheckpoint) -> pb.Checkpoint:
+    return pb.Checkpoint(note=signed.note)
+
+
+class LedgerService(Service, rpc.LedgerServicer):
+    rpc_service = "Ledger"
+
+    def __init__(self, ledger: Ledger, content: Content) -> None:
+        self.ledger = ledger
+        self.content = content
+        self.inline = ledger.db.is_sqlite
+
+    def _spec(self, request: pb.PinRequest, who: Identity) -> PinSpec:
+        spec = PinSpec.checked(
+            kind=request.kind,
+            subjects=request.subjects,
+            author=who.author(request.author),
+            meta=dict(request.meta) if request.meta else None,
+            external=request.external,
+        )
+        if spec.external:
+            return spec
+        subjects = []
+        for subject in spec.subjects:
+            found = self.content.find(Digest.parse(subject))
+            if found is None:
+                raise FailedPrecondition(
+                    f"blob {subject} is not in the store: put it first, or pin it as external "
+                    "content kept elsewhere"
+                )
+            subjects.append(str(found.info.sha256))
+        if len(set(subjects)) != len(subjects):
+            raise InvalidArgument("the same blob is named twice (by sha256 and blake3)")
+        return PinSpec(spec.kind, tuple(subjects), spec.author, spec.meta, spec.external)
+
+    def _specs(self, pins: Sequence[pb.PinRequest]) -> list[PinSpec]:
+        who = caller()
+        specs = []
+        for number, pin in enumerate(pins):
+            try:
+                specs.append(self._spec(pin, who))
+            except VaultError as exc:
+                if len(pins) == 1:
+                    raise
+                raise type(exc)(f"pin {number}: {exc}") from None
+        return specs
+
+    async def _append(self, pins: Sequence[pb.PinRequest]) -> list[StoredEntry]:
+        specs = await self.call(self._specs, pins)
+        # Waits for the group commit without holding a thread.
+        return await self.ledger.append_async(specs)
+
+    @unary_async
+    async def Pin(self, request: pb.PinRequest) -> pb.PinResponse:
+        (entry,) = await self._append([request])
+        return pb.PinResponse(entry=entry_message(entry))
+
+    @unary_async
+    async def PinBatch(self, request: pb.PinBatchRequest) -> pb.PinBatchResponse:
+        response = pb.PinBatchResponse()
+        add = response.entries.add
+        for e in await self._append(request.pins):
+            add(index=e.index, body=e.body)
+        return response
+
+    def _lookup_keys(self, text: str) -> list[str]:
+        """Pins name stored blobs by sha256; a blake3 alias is resolved through the catalog."""
+        digest = check_digest(text)
+        if digest.startswith("sha256:"):
+            return [digest]
+        found = self.content.find(Digest.parse(digest))
+        return [digest] if found is None else [digest, str(found.info.sha256)]
+
+    def prove(
+        self,
+        response: Any,
+        groups: Sequence[tuple[Callable[[], pb.ProvenEntry], Sequence[StoredEntry]]],
+        known_size: int,
+    ) -> None:
+        """Fill `response` (a message with `checkpoint` and `consistency`) in place: each
+        group's entries, each added by its `add` with an inclusion proof against one signed
+        checkpoint that covers them all, and that checkpoint's consistency with `known_size`."""
+        needed = max((e.index + 1 for _, es in groups for e in es), default=0)
+        signed = self.ledger.checkpoint(needed)
+        if known_size > signed.size and known_size <= self.ledger.size:
+            signed = self.ledger.checkpoint(known_size)
+        size = signed.size
+        inclusion_proof = self.ledger.inclusion_proof
+        for add, entries in groups:
+            for e in entries:
+                proven = add()
+                proven.entry.index = e.index
+                proven.entry.body = e.body
+                proven.inclusion.extend(inclusion_proof(e.index, size))
+        response.checkpoint.note = signed.note
+        consistency = response.consistency
+        consistency.old_size = known_size
+        consistency.new_size = size
+        if 0 < known_size < size:
+            consistency.hashes.extend(self.ledger.consistency_proof(known_size, size))
+
+    @unary
+    def Lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
+        keys = self._lookup_keys(request.digest)
+        if len(keys) == 1:
+            entries = self.ledger.entries_naming(keys[0])
+        else:
+            found = self.ledger.entries_for(keys)
+            entries = sorted(
+                {e.index: e for k in keys for e in found[k]}.values(), key=lambda e: e.index
+            )
+        if not entries:
+            raise NotFound(f"no entry pins {request.digest}")
+        response = pb.LookupResponse()
+        self.prove(response, [(response.entries.add, entries)], request.known_size)
+        return response
+
+    @unary
+    def LookupBatch(self, request: pb.LookupBatchRequest) -> pb.LookupBatchResponse:
+        if len(request.digests) > MAX_LOOKUP_BATCH:
+            raise InvalidArgument(
+                f"too many digests: {len(request.digests)} (at most {MAX_LOOKUP_BATCH} a call)"
+            )
+        # A blake3 alias names the same pins as its sha256 digest, as in Lookup.
+        keys = {d: self._lookup_keys(d) for d in request.digests}
+        found = self.ledger.entries_for(k for ks in keys.values() for k in ks)
+        response = pb.LookupBatchResponse()
+        groups = []
+        for d in request.digests:
+            result = response.results.add(digest=d)
+            entries = sorted(
+                {e.index: e for k in keys[d] for e in found[k]}.values(), key=lambda e: e.index
+            )
+            groups.append((result.entries.add, entries))
+        self.prove(response, groups, request.known_size)
+        return response
+
+    @unary
+    def Log(self, request: pb.LogRequest) -> pb.LogResponse:
+        limit = min(request.limit or 100, MAX_LOG_PAGE)
+        where = LogFilter(
+            kind=request.kind or None,
+            digest=str(Digest.parse(request.digest)) if request.digest else None,
+            author=request.author or None,
+            since=request.since or None,
+            until=request.until or None,
+        )
+        entries = self.ledger.log(request.start, limit + 1, where)
+        more = len(entries) > limit
+        entries = entries[:limit]
+        return pb.LogResponse(
+            entries=[entry_message(e) for e in entries], next=entries[-1].index + 1 if more else 0
+        )
+
+    @unary
+    def GetCheckpoint(self, request: pb.GetCheckpointRequest) -> pb.Checkpoint:
+        return _checkpoint(self.ledger.checkpoint(self.ledger.sync()))
+
+    @unary
+    def GetInclusionProof(self, request: pb.InclusionProofRequest) -> pb.InclusionProof:
+        signed = self.ledger.checkpoint(max(request.index + 1, request.size))
+        size = request.size or signed.size
+        return pb.InclusionProof(
+            index=request.index,
+            size=size,
+            leaf_hash=self.ledger.leaf(request.index),
+            hashes=self.ledger.inclusion_proof(request.index, size),
+            checkpoint=_checkpoint(signed),
+        )
+
+    @unary
+    def GetConsistencyProof(self, request: pb.ConsistencyProofRequest) -> pb.ConsistencyProof:
+        new_size = request.new_size or self.ledger.checkpoint().size
+        return pb.ConsistencyProof(
+            old_size=request.old_size,
+            new_size=new_size,
+            hashes=self.ledger.consistency_proof(request.old_size, new_size),
+        )
+
+    @unary
+    def GetVerifierKey(self, request: pb.VerifierKeyRequest) -> pb.VerifierKey:
+        return pb.VerifierKey(key=str(self.ledger.verifier), origin=self.ledger.origin)
+
+    @streaming
+    def ReadEntries(
+        self, request: pb.ReadEntriesRequest, context: Any
+    ) -> Iterator[pb.StoredEntries]:
+        head = self.ledger.head_size()
+        sent_head = False
+        for batch in self.ledger.read_raw(request.start):
+            yield pb.StoredEntries(
+                head_size=head,
+                entries=[
+                    pb.StoredEntry(
+                        index=r.index,
+                        body=r.body,
+                        leaf_hash=r.leaf_hash,
+                        kind=r.kind,
+                        author=r.author,
+                        time=r.time,
+                        external=r.external,
+                        subjects=r.subjects,
+                    )
+                    for r in batch
+                ],
+            )
+            sent_head = True
+        if not sent_head:
+            yield pb.StoredEntries(head_size=head)
+
+    @streaming
+    def ReadCheckpoints(
+        self, request: pb.ReadCheckpointsRequest, context: Any
+    ) -> Iterator[pb.StoredCheckpoints]:
+        for notes in self.ledger.stored_checkpoints():
+            yield pb.StoredCheckpoints(notes=notes)

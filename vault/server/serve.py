@@ -1,0 +1,233 @@
+"""A whole vault server from a Config: the ledger, the content store and its background
+workers, admission, credentials and the handoff desk, composed and served over gRPC until
+SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from vault.config import Config
+from vault.errors import InvalidArgument
+from vault.ledger.checkpoint import SigningKey
+from vault.ledger.log import Ledger
+from vault.server.admission import AdmissionPolicy, Admitter
+from vault.server.assembly import open_content_store
+from vault.server.auth import MODES, Gate
+from vault.server.content import Content
+from vault.server.database import open_ledger_database
+from vault.server.service import build_server
+from vault.server.store_service import ScrubRunner
+from vault.server.tokens import TokenStore
+from vault.server.workers import scrub_runner, start_tier_workers
+from vault.store.handoff import Desk
+from vault.store.protocol import Closing
+
+log = logging.getLogger("pinvault")
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """What a server that has started listening tells its command to say."""
+
+    address: str
+    data_path: Path
+    # The ledger's database engine ("sqlite", "postgresql") and its size at start.
+    engine: str
+    entries: int
+    verifier: str
+    # Whether callers must present a credential, and whether the channel is TLS.
+    credentials: bool
+    tls: bool
+    handoff_socket: Path | None
+    # Why the stored ledger fails its check, if it does.
+    fault: str | None
+
+
+def load_or_create_key(config: Config) -> SigningKey:
+    path = config.key_path
+    if path.exists():
+        return SigningKey.load(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = SigningKey.generate(config.origin)
+    key.save(path)
+    log.info("created checkpoint signing key %s", path)
+    return key
+
+
+def _read(what: str, path: str) -> bytes:
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read {what} {path}: {exc.strerror}") from None
+
+
+def server_credentials(config: Config) -> grpc.ServerCredentials | None:
+    auth = config.auth
+    if not (auth.tls_cert or auth.tls_key):
+        if auth.client_ca:
+            raise InvalidArgument("auth.client_ca needs TLS: set auth.tls_cert and auth.tls_key")
+        return None
+    if not (auth.tls_cert and auth.tls_key):
+        raise InvalidArgument("TLS needs both auth.tls_cert and auth.tls_key")
+    pair = (_read("auth.tls_key", auth.tls_key), _read("auth.tls_cert", auth.tls_cert))
+    client_ca = _read("auth.client_ca", auth.client_ca) if auth.client_ca else None
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+def check_access(config: Config, listen: str) -> None:
+    """Local mode serves one user and so only where no one else can connect."""
+    if config.auth.mode not in MODES:
+        raise InvalidArgument(
+            f"unknown auth.mode {config.auth.mode!r}: expected one of {', '.join(MODES)}"
+        )
+    host = listen.rpartition(":")[0]
+    if config.auth.mode == "local" and not listen.startswith("unix:") and host not in _LOOPBACK:
+        raise InvalidArgument(
+            f"auth.mode 'local' asks no credential, so it listens only on loopback or a "
+            f"Unix socket, not {listen}: set auth.mode = 'credentials' and create tokens "
+            "with `vault token create`"
+        )
+
+
+def open_desk(config: Config) -> Desk | None:
+    """The handoff socket for clients on this host, unless turned off or impossible here."""
+    if not config.server.handoff:
+        return None
+    try:
+        return Desk(config.handoff_path)
+    except OSError as exc:
+        log.warning("no handoff socket, clients will stream: %s", exc)
+        return None
+
+
+def serve(
+    config: Config,
+    listen: str | None,
+    *,
+    started: Callable[[Serving], None],
+    stopping: Callable[[], None],
+) -> None:
+    """Serve the vault `config` describes on `listen` (default server.listen) until SIGTERM or
+    SIGINT; `started` is told where once it listens, `stopping` when a signal came."""
+    listen = listen or config.server.listen
+    check_access(config, listen)
+    tls = server_credentials(config)
+    config.data_path.mkdir(parents=True, exist_ok=True)
+    key = load_or_create_key(config)
+    db = open_ledger_database(config)
+    ledger = Ledger(
+        db,
+        key,
+        origin=config.origin,
+        checkpoint_interval=config.ledger.checkpoint_interval,
+        commit_window=config.ledger.commit_window,
+    )
+    store = open_content_store(config)
+    content = Content(db, store)
+    # The migration worker and the scrubber, when there are tiers to manage ([policy]).
+    workers = start_tier_workers(config, store, db)
+    admitter = Admitter(
+        ledger,
+        content,
+        AdmissionPolicy(
+            verify_interval=config.admission.verify_interval,
+            replays_per_team=config.admission.replays_per_team,
+            replay_lease=config.admission.replay_lease,
+        ),
+    )
+    tokens = TokenStore(db) if config.auth.mode != "local" else None
+    desk = open_desk(config)
+    scrub = scrub_runner(store)
+    try:
+        asyncio.run(
+            _serve(
+                config,
+                ledger,
+                content,
+                admitter,
+                listen,
+                tokens,
+                tls,
+                desk,
+                scrub,
+                started=started,
+                stopping=stopping,
+            )
+        )
+    finally:
+        if desk is not None:
+            desk.close()
+        if tokens is not None:
+            tokens.close()
+        admitter.close()
+        for worker in workers:
+            worker.close()
+        content.close()
+        if isinstance(store, Closing):
+            store.close()
+        ledger.close()
+        db.dispose()
+
+
+async def _serve(
+    config: Config,
+    ledger: Ledger,
+    content: Content,
+    admitter: Admitter,
+    listen: str,
+    tokens: TokenStore | None,
+    tls: grpc.ServerCredentials | None,
+    desk: Desk | None,
+    scrub: ScrubRunner | None,
+    *,
+    started: Callable[[Serving], None],
+    stopping: Callable[[], None],
+) -> None:
+    loop = asyncio.get_running_loop()
+    # Blocking work (disk, hashing, PostgreSQL) runs on these threads, off the event loop.
+    loop.set_default_executor(
+        ThreadPoolExecutor(max_workers=config.server.workers, thread_name_prefix="vault")
+    )
+    server, address = await build_server(
+        ledger,
+        content,
+        listen,
+        admitter=admitter,
+        gate=Gate(config.auth.mode, tokens) if tokens else None,
+        tokens=tokens,
+        tls=tls,
+        desk=desk,
+        scrub=scrub,
+    )
+    await server.start()
+    started(
+        Serving(
+            address=address,
+            data_path=config.data_path,
+            engine=ledger.db.read.dialect.name,
+            entries=ledger.size,
+            verifier=str(ledger.verifier),
+            credentials=tokens is not None,
+            tls=tls is not None,
+            handoff_socket=None if desk is None else desk.path,
+            fault=None if ledger.fault is None else str(ledger.fault),
+        )
+    )
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    stopping()
+    await server.stop(grace=5)

@@ -1,0 +1,299 @@
+"""The Store service: puts (streamed, batched or handed off on this host), verified gets,
+existence checks, the audit of every pinned blob and the scrub of every tier on demand."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, Final
+
+from vault.digest import Digest
+from vault.errors import FailedPrecondition, IntegrityError, InvalidArgument
+from vault.files import pwrite_all
+from vault.ledger.log import Ledger
+from vault.server.content import Content, StoredBlob
+from vault.server.edge import Service, abort, client_stream, stream, streaming, unary
+from vault.server.ledger_service import entry_message
+from vault.store.chunks import CHUNK_SIZE
+from vault.store.handoff import Desk, Mode, read_handed_off
+from vault.wire import pinvault_pb2 as pb
+from vault.wire import pinvault_pb2_grpc as rpc
+
+MAX_FIND_MISSING: Final = 1_000_000
+
+
+def _blob(blob: StoredBlob) -> pb.BlobInfo:
+    info = blob.info
+    return pb.BlobInfo(
+        sha256=str(info.sha256), blake3=str(info.blake3), size=info.size, stored_at=blob.stored_at
+    )
+
+
+# What Store.Scrub runs, as vault/server/workers.py composes it: every copy on every tier
+# checked now, told a rate in bytes per second (None: no limit), a progress callback (bytes
+# checked, total bytes) and an event set when the caller has gone; returns the totals, named
+# as in ScrubProgress.
+ScrubRunner = Callable[[float | None, Callable[[int, int], None], threading.Event], dict[str, int]]
+_PROGRESS_EVERY: Final = 0.2
+
+
+class StoreService(Service, rpc.StoreServicer):
+    rpc_service = "Store"
+
+    def __init__(
+        self,
+        content: Content,
+        ledger: Ledger,
+        desk: Desk | None = None,
+        scrub: ScrubRunner | None = None,
+    ) -> None:
+        self.content = content
+        self.ledger = ledger
+        self.desk = desk
+        self.scrub = scrub
+        self._scrubbing = threading.Lock()
+        self.inline = content.db.is_sqlite
+
+    def _claim(self, ticket: str, mode: Mode) -> int:
+        if self.desk is None:
+            raise InvalidArgument("this server takes no handed-off files: stream the bytes")
+        return self.desk.claim(ticket, mode)
+
+    @unary
+    def Handoff(self, request: pb.HandoffRequest) -> pb.HandoffInfo:
+        if self.desk is None:
+            return pb.HandoffInfo()
+        return pb.HandoffInfo(socket=str(self.desk.path), instance=self.desk.instance)
+
+    async def Put(self, requests: AsyncIterator[pb.PutRequest], context: Any) -> pb.PutResponse:
+        blob, created = await client_stream(self, "Put", context, self._put)
+        return pb.PutResponse(blob=_blob(blob), created=created)
+
+    def _put(self, receive: Callable[[], pb.PutRequest | None]) -> tuple[StoredBlob, bool]:
+        first = receive()
+        if first is None:
+            raise InvalidArgument("empty put: no header and no bytes")
+        expected = None
+        leading: list[bytes] = []
+        if first.WhichOneof("part") == "header":
+            if first.header.expected_digest:
+                expected = Digest.parse(first.header.expected_digest)
+            if first.header.handoff:
+                return self._put_handed_off(first.header, expected, receive)
+        else:
+            leading.append(first.data)
+
+        def data() -> Iterator[bytes]:
+            yield from leading
+            while (message := receive()) is not None:
+                if message.WhichOneof("part") != "data":
+                    raise InvalidArgument("a put carries one header, first, then only bytes")
+                yield message.data
+
+        return self.content.put(data(), expected)
+
+    def _put_handed_off(
+        self,
+        header: pb.PutHeader,
+        expected: Digest | None,
+        receive: Callable[[], pb.PutRequest | None],
+    ) -> tuple[StoredBlob, bool]:
+        fd = self._claim(header.handoff, "read")
+        if receive() is not None:
+            os.close(fd)
+            raise InvalidArgument("a put of a handed-off file carries no bytes of its own")
+        return self.content.put(read_handed_off(fd, header.handoff_size), expected)
+
+    # A blob this small is read whole in one trip to a worker thread and sent at once: the
+    # round trips between the loop and a streaming producer would cost more than its bytes.
+    SMALL_GET: Final = 256 * 1024
+
+    async def Get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[pb.GetResponse]:
+        try:
+            self.authorise("Get", context)
+            blob, whole = await asyncio.to_thread(self._small_get, request)
+        except Exception as exc:
+            await abort(context, exc)
+        if whole is not None:
+            for message in whole:
+                yield message
+            return
+        async for message in stream(lambda: self._get(request, blob), context):
+            yield message
+
+    def _small_get(self, request: pb.GetRequest) -> tuple[StoredBlob, list[pb.GetResponse] | None]:
+        """The blob asked for, and all the messages of its get if it is small (else None)."""
+        blob = self.content.get(Digest.parse(request.digest))
+        if blob.info.size > self.SMALL_GET:
+            return blob, None
+        return blob, list(self._get(request, blob))
+
+    def _get(self, request: pb.GetRequest, blob: StoredBlob) -> Iterator[pb.GetResponse]:
+        length = request.length if request.HasField("length") else None
+        target = self._claim(request.handoff, "write") if request.handoff else None
+        try:
+            length, chunks = self.content.read(blob, request.offset, length)
+            if target is not None and length != blob.info.size:
+                raise InvalidArgument(
+                    "a get into a handed-off file takes the whole blob; ranges stream"
+                )
+            yield pb.GetResponse(
+                header=pb.GetHeader(
+                    blob=_blob(blob), chunk_size=CHUNK_SIZE, offset=request.offset, length=length
+                )
+            )
+            for chunk in chunks:
+                if target is None:
+                    yield pb.GetResponse(
+                        chunk=pb.Chunk(offset=chunk.offset, data=chunk.data, hash=chunk.hash)
+                    )
+                else:
+                    pwrite_all(target, chunk.data, chunk.offset)
+                    yield pb.GetResponse(chunk=pb.Chunk(offset=chunk.offset, hash=chunk.hash))
+        finally:
+            if target is not None:
+                os.close(target)
+
+    @unary
+    def Stat(self, request: pb.StatRequest) -> pb.StatResponse:
+        blob = self.content.get(Digest.parse(request.digest))
+        pins = self.ledger.entries_for([str(blob.info.sha256), str(blob.info.blake3)])
+        entries = sorted(
+            {e.index: e for es in pins.values() for e in es}.values(), key=lambda e: e.index
+        )
+        return pb.StatResponse(blob=_blob(blob), pins=[entry_message(e) for e in entries])
+
+    @unary
+    def FindMissing(self, request: pb.FindMissingRequest) -> pb.FindMissingResponse:
+        if len(request.digests) > MAX_FIND_MISSING:
+            raise InvalidArgument(
+                f"too many digests: {len(request.digests)} (at most {MAX_FIND_MISSING} a call)"
+            )
+        return pb.FindMissingResponse(missing=self.content.find_missing(request.digests))
+
+    @streaming
+    def VerifyBlobs(
+        self, request: pb.VerifyBlobsRequest, context: Any
+    ) -> Iterator[pb.VerifyBlobsProgress]:
+        pinned = self.content.pinned_digests()
+        total_bytes = 0
+        for checked, digest in enumerate(pinned, start=1):
+            result = self.content.check(digest)
+            total_bytes += result.size
+            # After the check, which refreshed each copy's time of verification.
+            copies, repairs = self.content.placements(digest)
+            yield pb.VerifyBlobsProgress(
+                checked=checked,
+                total=len(pinned),
+                bytes=total_bytes,
+                failed_digest=digest if result.failure else "",
+                failure=result.failure,
+                digest=digest,
+                copies=[
+                    pb.BlobCopy(place=c.tier, last_verified=c.last_verified or 0.0) for c in copies
+                ],
+                repairs=repairs,
+            )
+        if not pinned:
+            yield pb.VerifyBlobsProgress(checked=0, total=0)
+
+    @streaming
+    def Scrub(self, request: pb.ScrubRequest, context: Any) -> Iterator[pb.ScrubProgress]:
+        if self.scrub is None:
+            raise FailedPrecondition(
+                "this vault keeps one tier, which every read checks: `vault verify --blobs` "
+                "re-hashes every pinned blob"
+            )
+        if request.rate_mb_s < 0:
+            raise InvalidArgument(f"scrub rate {request.rate_mb_s} MB/s is negative")
+        if not self._scrubbing.acquire(blocking=False):
+            raise FailedPrecondition("a scrub is already running on this vault: wait for it")
+        try:
+            yield from self._scrub(self.scrub, request.rate_mb_s * 1e6 or None)
+        finally:
+            self._scrubbing.release()
+
+    def _scrub(self, scrub: ScrubRunner, rate: float | None) -> Iterator[pb.ScrubProgress]:
+        """Runs the scrub on a thread of its own and relays its progress, a message every
+        _PROGRESS_EVERY seconds at most; a caller gone away stops it."""
+        updates: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        stop = threading.Event()
+        outcome: list[dict[str, int] | BaseException] = []
+        sent = 0.0
+
+        def progress(done: int, total: int) -> None:
+            nonlocal sent
+            if time.monotonic() - sent >= _PROGRESS_EVERY:
+                sent = time.monotonic()
+                updates.put((done, total))
+
+        def run() -> None:
+            try:
+                outcome.append(scrub(rate, progress, stop))
+            except BaseException as exc:  # raised to the caller below
+                outcome.append(exc)
+            finally:
+                updates.put(None)
+
+        worker = threading.Thread(target=run, name="pinvault-scrub", daemon=True)
+        worker.start()
+        try:
+            while (update := updates.get()) is not None:
+                yield pb.ScrubProgress(done_bytes=update[0], total_bytes=update[1])
+            worker.join()
+        finally:
+            stop.set()
+        (result,) = outcome
+        if isinstance(result, BaseException):
+            raise result
+        yield pb.ScrubProgress(
+            finished=True, done_bytes=result["bytes"], total_bytes=result["bytes"], **result
+        )
+
+    # A batch bounds what it stages before its one sync, and its answer; one blob must fit in
+    # one message. Larger blobs go by Put.
+    BATCH_BLOBS: Final = 10_000
+    BATCH_BYTES: Final = 256 * 1024 * 1024
+    BATCH_BLOB: Final = 4 * 1024 * 1024
+
+    async def PutBatch(
+        self, requests: AsyncIterator[pb.PutBatchRequest], context: Any
+    ) -> pb.PutBatchResponse:
+        results = await client_stream(self, "PutBatch", context, self._put_batch)
+        return pb.PutBatchResponse(
+            results=[
+                pb.PutBatchResult(error=f"blob {n} of the batch was refused: {result}")
+                if isinstance(result, IntegrityError)
+                else pb.PutBatchResult(blob=_blob(result[0]), created=result[1])
+                for n, result in enumerate(results)
+            ]
+        )
+
+    def _put_batch(
+        self, receive: Callable[[], pb.PutBatchRequest | None]
+    ) -> list[tuple[StoredBlob, bool] | IntegrityError]:
+        def blobs() -> Iterator[tuple[bytes, Digest | None]]:
+            count = total = 0
+            while (message := receive()) is not None:
+                for blob in message.blobs:
+                    data = blob.data
+                    count += 1
+                    total += len(data)
+                    if len(data) > self.BATCH_BLOB:
+                        raise InvalidArgument(
+                            f"blob {count - 1} of the batch has {len(data)} bytes: a batch takes "
+                            f"blobs of at most {self.BATCH_BLOB}, put larger ones one by one"
+                        )
+                    if count > self.BATCH_BLOBS or total > self.BATCH_BYTES:
+                        raise InvalidArgument(
+                            f"batch too large: at most {self.BATCH_BLOBS} blobs and "
+                            f"{self.BATCH_BYTES} bytes a call"
+                        )
+                    expected = blob.expected_digest
+                    yield data, Digest.parse(expected) if expected else None
+
+        return self.content.put_many(blobs())
