@@ -29,6 +29,11 @@ MAX_META_TOTAL_BYTES: Final = 16384
 MAX_AUTHOR_LENGTH: Final = 128
 
 _META_KEY = re.compile(r"[a-z0-9][a-z0-9._-]*")
+# What could make a value print as something else on a terminal or a web page: C0 and C1
+# controls and DEL (newlines and escape sequences among them), line and paragraph separators,
+# and the bidirectional marks, embeddings, overrides and isolates.
+UNSAFE_TEXT: Final = "\x00-\x1f\x7f-\x9f\u2028\u2029\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
+_UNSAFE_TEXT = re.compile(f"[{UNSAFE_TEXT}]")
 _FIELDS: Final = frozenset(
     {"v", "index", "kind", "subjects", "meta", "external", "author", "time", "prev"}
 )
@@ -163,7 +168,8 @@ def check_author(author: str) -> str:
 
 
 def check_meta(meta: Mapping[str, str]) -> dict[str, str]:
-    """Bounded metadata: ASCII keys, UTF-8 values, limits that name what broke them."""
+    """Bounded metadata: ASCII keys, UTF-8 values that print as themselves (see UNSAFE_TEXT),
+    limits that name what broke them."""
     if not meta:
         return {}
     if len(meta) > MAX_META_KEYS:
@@ -180,8 +186,13 @@ def check_meta(meta: Mapping[str, str]) -> dict[str, str]:
             raise InvalidArgument(
                 f"metadata value for {key!r} is {size} bytes (at most {MAX_META_VALUE_BYTES})"
             )
-        if any(ord(c) < 0x20 and c not in "\t\n" for c in value):
-            raise InvalidArgument(f"metadata value for {key!r} has control characters")
+        unsafe = _UNSAFE_TEXT.search(value)
+        if unsafe is not None:
+            raise InvalidArgument(
+                f"metadata value for {key!r} has U+{ord(unsafe.group()):04X} at character "
+                f"{unsafe.start()}: control characters, line and paragraph separators and "
+                "bidirectional controls are refused"
+            )
         total += len(key) + size
     if total > MAX_META_TOTAL_BYTES:
         raise InvalidArgument(f"metadata is {total} bytes in all (at most {MAX_META_TOTAL_BYTES})")

@@ -1,0 +1,67 @@
+"""Text a writer puts in an entry cannot pass for other output: metadata with control
+characters, line or paragraph separators or bidirectional controls is refused by the real
+server (and nothing is appended), through the client and through the command."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from tests.services.vault_server import VaultServer
+from vault.errors import InvalidArgument, NotFound
+
+# A newline that would print a forged entry line under the real one in `vault log`, and the
+# other characters that rewrite what a terminal or a page shows.
+HOSTILE_VALUES = {
+    "newline": "ok\n     7  2026-01-01T00:00:00.000000Z  image  sha256:forged  by admin",
+    "carriage return": "ok\rforged",
+    "tab": "a\tb",
+    "escape sequence": "\x1b[2J\x1b[Hcleared",
+    "DEL": "a\x7fb",
+    "C1 control": "a\x85b",
+    "line separator": "a\u2028b",
+    "paragraph separator": "a\u2029b",
+    "right-to-left override": "exe.\u202etxt",
+    "isolate": "a\u2066b\u2069",
+    "left-to-right mark": "a\u200eb",
+}
+
+
+def _subject(label: str) -> str:
+    return "sha256:" + hashlib.sha256(label.encode()).hexdigest()
+
+
+@pytest.mark.parametrize("label", sorted(HOSTILE_VALUES))
+def test_the_server_refuses_metadata_that_could_forge_output(
+    vault_server: VaultServer, label: str
+) -> None:
+    value = HOSTILE_VALUES[label]
+    with vault_server.client() as client:
+        before = client.checkpoint().size
+        with pytest.raises(InvalidArgument, match=r"metadata value for 'note' has U\+[0-9A-F]{4}"):
+            client.pin("config", _subject(label), meta={"note": value}, external=True)
+        assert client.checkpoint().size == before, "nothing was appended"
+        with pytest.raises(NotFound):
+            client.lookup(_subject(label))
+
+
+def test_the_command_names_the_character_it_refused(vault_server: VaultServer) -> None:
+    run = vault_server.run(
+        "pin",
+        "config",
+        _subject("command"),
+        "--external",
+        "--meta",
+        "note=" + HOSTILE_VALUES["newline"],
+    )
+    line = run.error_line()
+    assert "metadata value for 'note' has U+000A at character 2" in line
+    assert vault_server.run("lookup", _subject("command")).returncode != 0
+
+
+def test_plain_text_in_any_script_is_kept(vault_server: VaultServer) -> None:
+    value = "ResNet-50 на ImageNet, 学習率 0.1, שלום, emoji 🧪 and a zero-width joiner a\u200db"
+    with vault_server.client() as client:
+        entry = client.pin("config", _subject("plain"), meta={"note": value}, external=True)
+        assert entry.entry.meta["note"] == value
