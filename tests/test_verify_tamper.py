@@ -6,6 +6,7 @@ plain bit rot would, past the immutability triggers, then serves it again and au
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import re
 import sqlite3
@@ -268,3 +269,52 @@ def test_a_pinned_blob_whose_bytes_changed_on_disk(
     (failure,) = re.findall(r"FAIL blob (\S+): (.*)", run.stdout)
     assert failure[0] == damaged and "damaged" in failure[1], run.describe()
     assert f"blobs: {len(ledger.blobs)} pinned blobs checked, 1 failed" in run.stdout
+
+
+# -- a history rewritten consistently --------------------------------------------------------
+
+
+def rewrite_history_from(conn: sqlite3.Connection, start: int) -> None:
+    """Change entry `start` and re-chain every later entry, leaf hash, subject and the head
+    so the database is consistent again, and delete every stored checkpoint: all that a
+    server reading this database alone could check now agrees."""
+    prev = bytes(
+        conn.execute("SELECT leaf_hash FROM entries WHERE idx = ?", (start - 1,)).fetchone()[0]
+    )
+    for index in range(start, SIZE):
+        entry = Entry.decode(body(conn, index))
+        if index == start:
+            entry = dataclasses.replace(entry, meta={**entry.meta, "n": "rewritten"})
+        entry = dataclasses.replace(entry, prev=prev)
+        encoded = entry.encode()
+        prev = hashlib.sha256(b"\x00" + encoded).digest()
+        conn.execute(
+            "UPDATE entries SET body = ?, leaf_hash = ? WHERE idx = ?", (encoded, prev, index)
+        )
+    conn.execute("UPDATE ledger_head SET last_leaf = ?", (prev,))
+    conn.execute("DELETE FROM checkpoints")
+
+
+def test_a_rewritten_history_is_not_signed_over(
+    ledger: Ledger, start_vault: StartVault, tmp_path: Path
+) -> None:
+    """The server keeps the last checkpoint it signed outside the database: started on a
+    history rewritten behind its back, it appends nothing, signs nothing, and `vault verify`
+    fails, naming the range the signed checkpoint no longer matches."""
+    data = serve_copy(ledger, tmp_path)
+    assert (data / "last-checkpoint").is_file()
+    with tampering(data) as conn:
+        rewrite_history_from(conn, 6)
+    server = start_vault("served", data_dir=data, env=ENV)
+    pin = server.run("pin", "config", "sha256:" + "ab" * 32, "--external")
+    assert "will not append to a ledger that fails its check" in pin.error_line(alone=False)
+    assert "do not match the checkpoint for 20 entries" in pin.stderr
+    run = server.run("verify")
+    assert_first_break(
+        run, SIZE - 1, "does not match the root signed in the checkpoint for size 20"
+    )
+    assert server.stop() == 0
+    with sqlite3.connect(data / "vault.db") as conn:
+        assert conn.execute("SELECT count(*) FROM entries").fetchone() == (SIZE,)
+        assert conn.execute("SELECT count(*) FROM checkpoints").fetchone() == (0,), "nothing signed"
+    assert "do not match the checkpoint for 20 entries" in server.log()

@@ -1,22 +1,35 @@
 """The ledger: durable, linear, hash-chained appends (group commit), the in-memory Merkle tree
-that answers proofs, signed checkpoints, and the queries behind look-ups and the log."""
+that answers proofs, signed checkpoints (the last one also kept outside the database, so that
+a server never signs over a history that changed behind it), and the queries behind look-ups
+and the log."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 from sqlalchemy import func, select, text
 
-from vault.errors import InvalidArgument, NotFound, Unavailable, VaultError, VerificationError
+from vault.errors import (
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    VaultError,
+    VerificationError,
+)
+from vault.files import fsync_dir, write_all
 from vault.ledger import db as tables
 from vault.ledger.checkpoint import Checkpoint, SigningKey, Verifier
 from vault.ledger.db import Database, Writer
@@ -175,8 +188,12 @@ class Ledger:
         origin: str,
         checkpoint_interval: float = 1.0,
         commit_window: float = 0.002,
+        last_signed: Path | None = None,
     ) -> None:
+        """`last_signed`: a file outside the database where the server keeps the last
+        checkpoint it signed; at start the stored entries must agree with it."""
         self.db = db
+        self.last_signed = last_signed
         self.key = key
         self.verifier: Verifier = key.verifier()
         self.origin = origin
@@ -193,10 +210,12 @@ class Ledger:
         self.fault: VerificationError | None = None
         try:
             self.sync()
+            self._check_last_signed()
         except VerificationError as exc:
             self.fault = exc
             log.error("the stored ledger fails its check (%s); run `vault verify`", exc)
         self._latest = self._load_latest_checkpoint()
+        self._recorded = self._latest.size if self._latest else -1
         self._writer = threading.Thread(target=self._write_loop, name="ledger-writer", daemon=True)
         self._writer.start()
         self._checkpointer = threading.Thread(
@@ -228,6 +247,7 @@ class Ledger:
         return await waiter
 
     def _admit(self, pins: Sequence[PinSpec]) -> bool:
+        self._refuse_if_faulty("append to")
         if len(pins) > MAX_BATCH:
             raise InvalidArgument(
                 f"too many entries in one append: {len(pins)} (at most {MAX_BATCH})"
@@ -372,6 +392,7 @@ class Ledger:
             size = self._tree.size
             if size < min_size:
                 raise NotFound(f"the ledger has {size} entries, fewer than {min_size}")
+            self._refuse_if_faulty("sign")
             signed = self._sign(size)
             self._latest = signed
             return signed
@@ -382,6 +403,88 @@ class Ledger:
         with self.db.write.begin() as conn:
             conn.execute(_INSERT_CHECKPOINT, {"size": size, "note": note})
         return SignedCheckpoint(checkpoint, note)
+
+    def _refuse_if_faulty(self, what: str) -> None:
+        if self.fault is not None:
+            raise IntegrityError(
+                f"the server will not {what} a ledger that fails its check: {self.fault}"
+            )
+
+    def _check_last_signed(self) -> None:
+        """The stored entries must agree with the last checkpoint this server signed, kept in
+        a file of its own: a database whose rows were rewritten (and its checkpoints deleted
+        or left alone) must not be signed over, however consistent it was made to look."""
+        path = self.last_signed
+        if path is None:
+            return
+        try:
+            note = path.read_text("utf-8")
+        except FileNotFoundError:
+            if self._tree.size:
+                log.warning("%s is missing: no check against the last signed checkpoint", path)
+            return
+        except (OSError, UnicodeDecodeError) as exc:
+            raise VerificationError(
+                f"cannot read the last signed checkpoint {path}: {exc}"
+            ) from None
+        try:
+            signed = self.verifier.open(note)
+        except VerificationError as exc:
+            raise VerificationError(f"the last signed checkpoint {path}: {exc}") from None
+        size = self._tree.size
+        if signed.size > size:
+            raise VerificationError(
+                f"this server signed a checkpoint for {signed.size} entries but only {size} are "
+                "stored (the ledger was truncated)",
+                index=size,
+            )
+        if self._tree.root(signed.size) != signed.root:
+            first = self._last_matching_checkpoint(signed.size)
+            raise VerificationError(
+                f"the stored entries do not match the checkpoint for {signed.size} entries this "
+                f"server signed last ({path}): an entry at index {first} to {signed.size - 1} "
+                "was changed",
+                index=first,
+            )
+
+    def _last_matching_checkpoint(self, below: int) -> int:
+        """The size of the largest stored checkpoint under `below` that is validly signed and
+        agrees with the stored entries (0 if none): entries before it are as signed."""
+        with self.db.read.connect() as conn:
+            notes = conn.execute(
+                select(tables.checkpoints.c.note)
+                .where(tables.checkpoints.c.size < below)
+                .order_by(tables.checkpoints.c.size.desc())
+            ).scalars()
+            for note in notes:
+                try:
+                    checkpoint = self.verifier.open(note)
+                except VerificationError:
+                    continue
+                if checkpoint.root == self._tree.root(checkpoint.size):
+                    return checkpoint.size
+        return 0
+
+    def _record_last_signed(self, signed: SignedCheckpoint) -> None:
+        """Replace the file of the last signed checkpoint, durably: a new file of a name no
+        one else could have made, synced, renamed over the old one, the folder synced."""
+        path = self.last_signed
+        if path is None or signed.checkpoint.size <= self._recorded:
+            return
+        temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(temp, flags, 0o600)
+        try:
+            write_all(fd, signed.note.encode())
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            temp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.replace(temp, path)
+        fsync_dir(path.parent)
+        self._recorded = signed.checkpoint.size
 
     def _load_latest_checkpoint(self) -> SignedCheckpoint | None:
         with self.db.read.connect() as conn:
@@ -409,6 +512,9 @@ class Ledger:
             try:
                 if self.sync() > (self._latest.size if self._latest else -1):
                     self.checkpoint(self._tree.size)
+                # Off the appenders' path: at most once an interval, one small synced file.
+                if self._latest is not None and self.fault is None:
+                    self._record_last_signed(self._latest)
             except VerificationError as exc:
                 if str(exc) != str(self.fault):
                     log.error("the stored ledger fails its check (%s); run `vault verify`", exc)
@@ -544,6 +650,9 @@ class Ledger:
             return int(conn.execute(select(tables.ledger_head.c.size)).scalar_one())
 
     def stored_checkpoints(self) -> Iterator[list[str]]:
+        """Every checkpoint stored in the database, and the last one this server signed if the
+        database lacks it, so that an audit checks the entries against it too."""
+        kept = self._read_last_signed()
         c = tables.checkpoints
         after = -1
         while True:
@@ -552,9 +661,22 @@ class Ledger:
                     select(c.c.size, c.c.note).where(c.c.size > after).order_by(c.c.size).limit(500)
                 ).all()
             if not rows:
-                return
-            yield [note for _, note in rows]
+                break
+            notes = [note for _, note in rows]
+            if kept in notes:
+                kept = None
+            yield notes
             after = rows[-1][0]
+        if kept is not None:
+            yield [kept]
+
+    def _read_last_signed(self) -> str | None:
+        if self.last_signed is None:
+            return None
+        try:
+            return self.last_signed.read_text("utf-8")
+        except (OSError, UnicodeDecodeError):
+            return None
 
     def count(self) -> int:
         with self.db.read.connect() as conn:
@@ -569,4 +691,7 @@ class Ledger:
         self._queue.put(_STOP)
         self._writer.join()
         self._checkpointer.join()
+        if self._latest is not None and self.fault is None:
+            with contextlib.suppress(OSError):
+                self._record_last_signed(self._latest)
         self._writer_db.close()
