@@ -11,6 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 import grpc
 
@@ -29,6 +30,9 @@ from vault.server.tokens import TokenStore
 from vault.server.workers import scrub_runner, start_tier_workers
 from vault.store.handoff import Desk
 from vault.store.protocol import Closing
+
+# The last checkpoint this server signed, kept outside the database (see Ledger).
+LAST_SIGNED: Final = "last-checkpoint"
 
 log = logging.getLogger("pinvault")
 
@@ -133,6 +137,7 @@ def serve(
         origin=config.origin,
         checkpoint_interval=config.ledger.checkpoint_interval,
         commit_window=config.ledger.commit_window,
+        last_signed=config.data_path / LAST_SIGNED,
     )
     store = open_content_store(config)
     content = Content(db, store)
