@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 import subprocess
 import time
@@ -17,7 +18,7 @@ import pytest
 
 from tests.conftest import StartVault
 from tests.services.vault_server import VaultServer
-from vault.errors import InvalidArgument
+from vault.errors import FailedPrecondition, InvalidArgument
 from vault.runs import dataset
 from vault.runs.dataset import add_dataset
 from vault.store.hashcache import RACY, HashCache
@@ -198,6 +199,14 @@ BAD_MANIFESTS = {
         f"{A} is listed with sizes 2 and 3",
     ),
     "wrong size": (manifest_bytes([file("a.txt", size=3)]), "is 3 bytes, its blob"),
+    # Deeper or longer than a checkout can create: refused by the one validator that
+    # admission shares, not found out by a checkout halfway through.
+    "2,000 folders deep": (
+        manifest_bytes([file("a/" * 1999 + "f")]),
+        "is 3999 bytes long (at most 2048)",
+    ),
+    "300 folders deep": (manifest_bytes([file("a/" * 299 + "f")]), "is 300 folders deep"),
+    "a 256-byte name": (manifest_bytes([file("d/" + "n" * 256)]), "has a name of 256 bytes"),
 }
 
 
@@ -266,7 +275,7 @@ def test_manifest_functions_refuse_what_checkout_refuses() -> None:
     for data, problem in BAD_MANIFESTS.values():
         if problem.startswith("is 3 bytes"):
             continue  # only the store knows a blob's size
-        with pytest.raises(InvalidArgument, match=problem.replace("(", r"\(")):
+        with pytest.raises(InvalidArgument, match=re.escape(problem)):
             decode_manifest(data)
     duplicate_key = GOOD[:-1] + b',"v":1}'
     with pytest.raises(InvalidArgument, match="appears twice"):
@@ -400,3 +409,21 @@ def test_a_damaged_cache_is_set_aside_and_the_add_goes_on(
     )
     assert first["digest"] == again["digest"] == rehashed["digest"]
     assert again["sent_files"] == rehashed["sent_files"] == 0
+
+
+def test_admission_refuses_the_manifests_checkout_would_refuse(
+    vault_server: VaultServer,
+) -> None:
+    """Admission and checkout read a dataset manifest through one validator: a dataset that
+    cannot be checked out is not admitted, and the refusal names the path."""
+    put_manifest(vault_server, b"a\n")
+    data, problem = BAD_MANIFESTS["2,000 folders deep"]
+    digest = put_manifest(vault_server, data)
+    with vault_server.client() as client:
+        client.pin("dataset", digest)
+        image = "sha256:" + hashlib.sha256(b"deep image").hexdigest()
+        client.pin("image", image, external=True)
+        with pytest.raises(
+            FailedPrecondition, match="is not a dataset manifest: .*" + re.escape(problem)
+        ):
+            client.admit(image=image, dataset=digest, seed=1)

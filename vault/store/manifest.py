@@ -17,6 +17,11 @@ MANIFEST_VERSION: Final = 1
 MAX_MANIFEST_BYTES: Final = 256 * 1024 * 1024
 # Integers above 2**53 are not exact in every JSON reader, so the format forbids them.
 MAX_SIZE: Final = 2**53 - 1
+# What a checkout can create under a folder of its own on Linux (PATH_MAX is 4096, NAME_MAX
+# 255), with room left for the folder it is checked out into.
+MAX_PATH_BYTES: Final = 2048
+MAX_PATH_DEPTH: Final = 256
+MAX_NAME_BYTES: Final = 255
 
 _MANIFEST_FIELDS: Final = frozenset({"v", "files"})
 _FILE_FIELDS: Final = frozenset({"path", "size", "mode", "sha256"})
@@ -66,21 +71,38 @@ def _path_key(path: str) -> bytes:
 
 
 def check_path(path: str, what: str = "dataset manifest") -> str:
-    """A path in a manifest: relative, POSIX, no empty, `.` or `..` component, no NUL, UTF-8."""
+    """A path in a manifest: relative, POSIX, no empty, `.` or `..` component, no NUL, UTF-8,
+    and short and shallow enough to be checked out on any Linux file system (see the limits
+    above). Admission and checkout both read a manifest through here, so a dataset that is
+    admitted can be checked out."""
     if not path:
         raise InvalidArgument(f"{what}: empty path")
+    try:
+        size = len(path.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"{what}: path {path[:80]!r} is not valid UTF-8") from None
+    if size > MAX_PATH_BYTES:
+        raise InvalidArgument(
+            f"{what}: path {path[:80]!r}… is {size} bytes long (at most {MAX_PATH_BYTES})"
+        )
     if path.startswith("/"):
         raise InvalidArgument(f"{what}: path {path!r} is absolute")
     parts = path.split("/")
+    if len(parts) > MAX_PATH_DEPTH:
+        raise InvalidArgument(
+            f"{what}: path {path[:80]!r}… is {len(parts)} folders deep (at most {MAX_PATH_DEPTH})"
+        )
     for bad, why in (("..", "a '..'"), ("", "an empty"), (".", "a '.'")):
         if bad in parts:
             raise InvalidArgument(f"{what}: path {path!r} has {why} component")
     if "\x00" in path:
         raise InvalidArgument(f"{what}: path {path!r} has a NUL character")
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidArgument(f"{what}: path {path!r} is not valid UTF-8") from None
+    longest = max(parts, key=lambda part: len(part.encode("utf-8")))
+    if len(longest.encode("utf-8")) > MAX_NAME_BYTES:
+        raise InvalidArgument(
+            f"{what}: path {path[:80]!r} has a name of {len(longest.encode('utf-8'))} bytes "
+            f"(at most {MAX_NAME_BYTES})"
+        )
     return path
 
 
