@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
@@ -20,6 +21,8 @@ from tests.conftest import StartVault
 from tests.services.postgres import PostgresServer
 from tests.services.vault_server import VaultServer
 from vault.ledger.checkpoint import Verifier
+from vault.wire import pinvault_pb2 as pb
+from vault.wire import pinvault_pb2_grpc as rpc
 
 ORIGIN = "engines.test/ledger"
 ENV = {"PINVAULT_LEDGER_ORIGIN": ORIGIN}
@@ -273,3 +276,55 @@ def test_a_database_that_cannot_be_opened_is_one_line_from_serve(tmp_path: Path)
     assert server.log().splitlines()[-1] == (
         f"vault: UNAVAILABLE: cannot open the ledger database {url}: unable to open database file"
     )
+
+
+def test_verify_passes_while_writers_append(server: VaultServer) -> None:
+    """`vault verify` audits one snapshot of the ledger (its head and the rows up to it), so
+    an untampered ledger verifies while other writers keep appending."""
+    author = "live-writer"
+
+    def batch(start: int, count: int) -> pb.PinBatchRequest:
+        return pb.PinBatchRequest(
+            pins=[
+                pb.PinRequest(
+                    kind="config",
+                    subjects=["sha256:" + hashlib.sha256(b"live %d" % n).hexdigest()],
+                    external=True,
+                    author=author,
+                )
+                for n in range(start, start + count)
+            ]
+        )
+
+    stop = threading.Event()
+    appended: list[int] = []
+    errors: list[BaseException] = []
+
+    def append_until_stopped() -> None:
+        with grpc.insecure_channel(server.address) as channel:
+            ledger = rpc.LedgerStub(channel)
+            n = 10**6
+            try:
+                while not stop.is_set():
+                    ledger.PinBatch(batch(n, 500), timeout=30)
+                    appended.append(500)
+                    n += 500
+            except BaseException as exc:
+                errors.append(exc)
+
+    with grpc.insecure_channel(server.address) as channel:
+        ledger = rpc.LedgerStub(channel)
+        for start in range(0, 20_000, 5_000):
+            ledger.PinBatch(batch(start, 5_000), timeout=60)
+    writer = threading.Thread(target=append_until_stopped)
+    writer.start()
+    try:
+        for _ in range(3):
+            before = sum(appended)
+            run = server.run("verify")
+            assert run.returncode == 0 and "ledger OK" in run.stdout, run.describe()
+            assert sum(appended) > before, "appends went on while the audit ran"
+    finally:
+        stop.set()
+        writer.join()
+    assert not errors, errors

@@ -619,31 +619,47 @@ class Ledger:
         with self.db.read.connect() as conn:
             return [StoredEntry(idx, body) for idx, body in conn.execute(query)]
 
-    def read_raw(self, start: int = 0) -> Iterator[list[RawEntry]]:
-        """Every stored entry row from `start`, in index order, in batches; no checks."""
-        after = start - 1
-        while True:
-            rows = self.db.fetch(_READ_ENTRIES, (after, READ_BATCH))
-            if not rows:
-                return
-            last = rows[-1][0]
-            subjects: dict[int, list[str]] = {}
-            for idx, digest in self.db.fetch(_READ_SUBJECTS, (after, last)):
-                subjects.setdefault(idx, []).append(digest)
-            yield [
-                RawEntry(
-                    idx,
-                    bytes(body),
-                    bytes(leaf),
-                    kind,
-                    author,
-                    time,
-                    bool(external),
-                    tuple(sorted(subjects.get(idx, ()))),
-                )
-                for idx, body, leaf, kind, author, time, external in rows
-            ]
-            after = last
+    def read_raw(self, start: int = 0) -> Iterator[tuple[int, list[RawEntry]]]:
+        """The ledger head's size and every stored entry row from `start`, in index order, in
+        batches, all read in one snapshot of the database (one read transaction), so that an
+        audit sees the head and the rows as one moment left them while appends go on; no
+        checks. Rows past the head in that snapshot are there too: no append leaves them."""
+        with self.db.read.connect() as conn:
+            if not self.db.is_sqlite:
+                conn = conn.execution_options(isolation_level="REPEATABLE READ")
+            with conn.begin():
+                driver = conn.connection.driver_connection
+                assert driver is not None
+                fetch = _fetcher(driver, sqlite=self.db.is_sqlite)
+                ((head,),) = fetch("SELECT size FROM ledger_head WHERE id = 1", ())
+                after = start - 1
+                while True:
+                    rows = fetch(_READ_ENTRIES, (after, READ_BATCH))
+                    if not rows:
+                        if after < start:
+                            yield int(head), []
+                        return
+                    last = rows[-1][0]
+                    subjects: dict[int, list[str]] = {}
+                    for idx, digest in fetch(_READ_SUBJECTS, (after, last)):
+                        subjects.setdefault(idx, []).append(digest)
+                    yield (
+                        int(head),
+                        [
+                            RawEntry(
+                                idx,
+                                bytes(body),
+                                bytes(leaf),
+                                kind,
+                                author,
+                                time,
+                                bool(external),
+                                tuple(sorted(subjects.get(idx, ()))),
+                            )
+                            for idx, body, leaf, kind, author, time, external in rows
+                        ],
+                    )
+                    after = last
 
     def head_size(self) -> int:
         with self.db.read.connect() as conn:
@@ -695,3 +711,16 @@ class Ledger:
             with contextlib.suppress(OSError):
                 self._record_last_signed(self._latest)
         self._writer_db.close()
+
+
+def _fetcher(driver: Any, *, sqlite: bool) -> Query:
+    """Plain queries with `?` placeholders on a driver connection inside its transaction."""
+
+    def fetch(sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        if sqlite:
+            return list(driver.execute(sql, params).fetchall())
+        with driver.cursor() as cursor:
+            cursor.execute(sql.replace("?", "%s"), params)
+            return list(cursor.fetchall())
+
+    return fetch

@@ -211,9 +211,7 @@ class LedgerService(Service, rpc.LedgerServicer):
     def ReadEntries(
         self, request: pb.ReadEntriesRequest, context: Any
     ) -> Iterator[pb.StoredEntries]:
-        head = self.ledger.head_size()
-        sent_head = False
-        for batch in self.ledger.read_raw(request.start):
+        for head, batch in self.ledger.read_raw(request.start):
             yield pb.StoredEntries(
                 head_size=head,
                 entries=[
@@ -230,9 +228,6 @@ class LedgerService(Service, rpc.LedgerServicer):
                     for r in batch
                 ],
             )
-            sent_head = True
-        if not sent_head:
-            yield pb.StoredEntries(head_size=head)
 
     @streaming
     def ReadCheckpoints(
