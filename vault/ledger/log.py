@@ -8,14 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import queue
-import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -29,92 +26,22 @@ from vault.errors import (
     VaultError,
     VerificationError,
 )
-from vault.files import fsync_dir, write_all
 from vault.ledger import db as tables
 from vault.ledger.checkpoint import Checkpoint, SigningKey, Verifier
 from vault.ledger.db import Database, Writer
 from vault.ledger.entry import (
-    check_author,
-    check_kind,
-    check_meta,
-    check_subjects,
     encode_fields,
     now,
 )
+from vault.ledger.last_signed import LastSigned
 from vault.ledger.merkle import MerkleTree, leaf_hash
+from vault.ledger.records import LogFilter, PinSpec, RawEntry, SignedCheckpoint, StoredEntry
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH: Final = 10_000
 READ_BATCH: Final = 2_000
 QUERY_BATCH: Final = 500
-
-
-@dataclass(frozen=True, slots=True)
-class PinSpec:
-    """A validated request to append one entry; the ledger adds index, time and prev."""
-
-    kind: str
-    subjects: tuple[str, ...]
-    author: str
-    meta: Mapping[str, str] = field(default_factory=dict)
-    external: bool = False
-
-    @classmethod
-    def checked(
-        cls,
-        *,
-        kind: str,
-        subjects: Sequence[str],
-        author: str,
-        meta: Mapping[str, str] | None = None,
-        external: bool = False,
-    ) -> PinSpec:
-        subjects_ = check_subjects(subjects)
-        if len(subjects_) > 1 and len(set(subjects_)) != len(subjects_):
-            raise InvalidArgument("the same subject digest is named twice")
-        # Positional: appends make one of these a pin, and keywords cost more than the checks.
-        kind_, author_ = check_kind(kind), check_author(author)
-        return cls(kind_, subjects_, author_, check_meta(meta or {}), external)
-
-
-@dataclass(frozen=True, slots=True)
-class StoredEntry:
-    index: int
-    body: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class RawEntry:
-    """An entry row exactly as stored, with its index rows, for auditors."""
-
-    index: int
-    body: bytes
-    leaf_hash: bytes
-    kind: str
-    author: str
-    time: str
-    external: bool
-    subjects: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class SignedCheckpoint:
-    checkpoint: Checkpoint
-    note: str
-
-    @property
-    def size(self) -> int:
-        return self.checkpoint.size
-
-
-@dataclass(frozen=True, slots=True)
-class LogFilter:
-    kind: str | None = None
-    digest: str | None = None
-    author: str | None = None
-    since: str | None = None
-    until: str | None = None
 
 
 class _Append:
@@ -193,7 +120,7 @@ class Ledger:
         """`last_signed`: a file outside the database where the server keeps the last
         checkpoint it signed; at start the stored entries must agree with it."""
         self.db = db
-        self.last_signed = last_signed
+        self.last_signed = None if last_signed is None else LastSigned(last_signed)
         self.key = key
         self.verifier: Verifier = key.verifier()
         self.origin = origin
@@ -215,7 +142,6 @@ class Ledger:
             self.fault = exc
             log.error("the stored ledger fails its check (%s); run `vault verify`", exc)
         self._latest = self._load_latest_checkpoint()
-        self._recorded = self._latest.size if self._latest else -1
         self._writer = threading.Thread(target=self._write_loop, name="ledger-writer", daemon=True)
         self._writer.start()
         self._checkpointer = threading.Thread(
@@ -411,40 +337,11 @@ class Ledger:
             )
 
     def _check_last_signed(self) -> None:
-        """The stored entries must agree with the last checkpoint this server signed, kept in
-        a file of its own: a database whose rows were rewritten (and its checkpoints deleted
-        or left alone) must not be signed over, however consistent it was made to look."""
-        path = self.last_signed
-        if path is None:
-            return
-        try:
-            note = path.read_text("utf-8")
-        except FileNotFoundError:
-            if self._tree.size:
-                log.warning("%s is missing: no check against the last signed checkpoint", path)
-            return
-        except (OSError, UnicodeDecodeError) as exc:
-            raise VerificationError(
-                f"cannot read the last signed checkpoint {path}: {exc}"
-            ) from None
-        try:
-            signed = self.verifier.open(note)
-        except VerificationError as exc:
-            raise VerificationError(f"the last signed checkpoint {path}: {exc}") from None
-        size = self._tree.size
-        if signed.size > size:
-            raise VerificationError(
-                f"this server signed a checkpoint for {signed.size} entries but only {size} are "
-                "stored (the ledger was truncated)",
-                index=size,
-            )
-        if self._tree.root(signed.size) != signed.root:
-            first = self._last_matching_checkpoint(signed.size)
-            raise VerificationError(
-                f"the stored entries do not match the checkpoint for {signed.size} entries this "
-                f"server signed last ({path}): an entry at index {first} to {signed.size - 1} "
-                "was changed",
-                index=first,
+        """The stored entries must agree with the last checkpoint this server signed (see
+        vault.ledger.last_signed)."""
+        if self.last_signed is not None:
+            self.last_signed.check(
+                self.verifier, self._tree.size, self._tree.root, self._last_matching_checkpoint
             )
 
     def _last_matching_checkpoint(self, below: int) -> int:
@@ -464,27 +361,6 @@ class Ledger:
                 if checkpoint.root == self._tree.root(checkpoint.size):
                     return checkpoint.size
         return 0
-
-    def _record_last_signed(self, signed: SignedCheckpoint) -> None:
-        """Replace the file of the last signed checkpoint, durably: a new file of a name no
-        one else could have made, synced, renamed over the old one, the folder synced."""
-        path = self.last_signed
-        if path is None or signed.checkpoint.size <= self._recorded:
-            return
-        temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(temp, flags, 0o600)
-        try:
-            write_all(fd, signed.note.encode())
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            temp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        os.replace(temp, path)
-        fsync_dir(path.parent)
-        self._recorded = signed.checkpoint.size
 
     def _load_latest_checkpoint(self) -> SignedCheckpoint | None:
         with self.db.read.connect() as conn:
@@ -513,8 +389,8 @@ class Ledger:
                 if self.sync() > (self._latest.size if self._latest else -1):
                     self.checkpoint(self._tree.size)
                 # Off the appenders' path: at most once an interval, one small synced file.
-                if self._latest is not None and self.fault is None:
-                    self._record_last_signed(self._latest)
+                if self._latest is not None and self.fault is None and self.last_signed:
+                    self.last_signed.record(self._latest.note, self._latest.size)
             except VerificationError as exc:
                 if str(exc) != str(self.fault):
                     log.error("the stored ledger fails its check (%s); run `vault verify`", exc)
@@ -668,7 +544,7 @@ class Ledger:
     def stored_checkpoints(self) -> Iterator[list[str]]:
         """Every checkpoint stored in the database, and the last one this server signed if the
         database lacks it, so that an audit checks the entries against it too."""
-        kept = self._read_last_signed()
+        kept = None if self.last_signed is None else self.last_signed.note()
         c = tables.checkpoints
         after = -1
         while True:
@@ -686,14 +562,6 @@ class Ledger:
         if kept is not None:
             yield [kept]
 
-    def _read_last_signed(self) -> str | None:
-        if self.last_signed is None:
-            return None
-        try:
-            return self.last_signed.read_text("utf-8")
-        except (OSError, UnicodeDecodeError):
-            return None
-
     def count(self) -> int:
         with self.db.read.connect() as conn:
             return int(conn.execute(select(func.count()).select_from(tables.entries)).scalar_one())
@@ -707,9 +575,9 @@ class Ledger:
         self._queue.put(_STOP)
         self._writer.join()
         self._checkpointer.join()
-        if self._latest is not None and self.fault is None:
+        if self._latest is not None and self.fault is None and self.last_signed:
             with contextlib.suppress(OSError):
-                self._record_last_signed(self._latest)
+                self.last_signed.record(self._latest.note, self._latest.size)
         self._writer_db.close()
 
 
