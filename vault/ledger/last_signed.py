@@ -5,6 +5,7 @@ beside a checkpoint the server signed before."""
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import secrets
@@ -51,6 +52,11 @@ class LastSigned:
             raise VerificationError(
                 f"cannot read the last signed checkpoint {self.path}: {exc}"
             ) from None
+        if not _signed_by_key_of(note, verifier):
+            # The signing key was replaced (a rotation, or a new server on old data): this note
+            # says nothing the new key can check. The next checkpoint is recorded in its place.
+            log.warning("%s was signed by another key: not checked against it", self.path)
+            return
         try:
             signed = verifier.open(note)
         except VerificationError as exc:
@@ -90,3 +96,15 @@ class LastSigned:
         os.replace(temp, self.path)
         fsync_dir(self.path.parent)
         self._recorded = size
+
+
+def _signed_by_key_of(note: str, verifier: Verifier) -> bool:
+    """Whether a signature line of the note names the verifier's key (by its key id)."""
+    for line in note.split("\n\n", 1)[-1].splitlines():
+        _, _, signature = line.rpartition(" ")
+        try:
+            if base64.b64decode(signature, validate=True)[:4] == verifier.key_id:
+                return True
+        except ValueError:
+            continue
+    return False
