@@ -32,6 +32,7 @@ from vault.digest import Digest
 from vault.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from vault.ledger.runid import parse_seed
 from vault.runs import load_run_manifest
+from vault.runs.run import ENV_ARRAY_TASK as ARRAY_TASK
 
 Connect = Callable[[Config], VaultClient]
 
@@ -256,21 +257,33 @@ def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
     sbatch_args = list(args.sbatch_args)
     manifest_digest = str(Digest.parse(args.manifest))
     with connect(config) as client, tempfile.TemporaryDirectory(prefix="pinvault-replay-") as tmp:
+        # Refuses a manifest not sealed by the team its run was admitted for, naming who did.
         manifest = load_run_manifest(client, manifest_digest)
-        if batch_script(sbatch_args) is None:
-            recorded = manifest.environment.variables.get(ENV_SCRIPT, "")
+        recorded = manifest.environment.variables.get(ENV_SCRIPT, "")
+        given = batch_script(sbatch_args)
+        if given is None:
             if not recorded:
                 raise InvalidArgument(
                     "the run manifest records no batch script: give sbatch's arguments, "
                     "with the script, after --"
                 )
             script = Path(tmp) / "replay.sbatch"
+            # Fetched verified: these are the bytes the digest shown below names.
             client.get(recorded, script)
             sbatch_args.append(str(script))
+            shown = f"{recorded}  (recorded in the manifest)"
+        else:
+            # Stored, so that this replay's own manifest records the script it really ran.
+            recorded = str(client.put(given).blob.sha256)
+            shown = f"{recorded}  ({given})"
+        task = manifest.environment.variables.get(ARRAY_TASK, "")
+        if task.isdecimal() and not any(a.startswith(("--array", "-a")) for a in sbatch_args):
+            # A task of a job array runs again as that task, with the same SLURM_ARRAY_TASK_ID.
+            sbatch_args.insert(0, f"--array={task}")
         _step(
             "✓",
             "run manifest published",
-            f"{_short(manifest_digest)}  run {_short(manifest.run_id)}",
+            f"{_short(manifest_digest)}  run {_short(manifest.run_id)}  team {manifest.team}",
         )
         inputs = manifest.inputs
         admission = client.admit(
@@ -282,13 +295,14 @@ def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
             replay_of=manifest_digest,
         )
         _step("✓", "inputs pinned and intact", f"replay slot taken for team {admission.team}")
+        _step("→", "batch script", shown)
         env = job_environment(
             config,
             admission,
             {
                 ENV_REPLAY_OF: manifest_digest,
                 ENV_REPLAY_LEASE: admission.lease,
-                ENV_SCRIPT: manifest.environment.variables.get(ENV_SCRIPT, ""),
+                ENV_SCRIPT: recorded,
             },
         )
         try:

@@ -93,7 +93,10 @@ def test_a_job_on_pinned_inputs_is_admitted_and_its_run_pinned(lab: Lab) -> None
     admission = lab.admit()
 
     inputs = RunInputs(lab.image, lab.dataset, 0xC0FFEE, lab.config)
-    assert admission.run_id == inputs.run_id == sha256(inputs.encode())
+    # The run id is the digest of the inputs with the vault's nonce: not the bare inputs'.
+    assert admission.inputs.bare == inputs and len(admission.inputs.nonce) == 32
+    assert admission.run_id == admission.inputs.run_id == sha256(admission.inputs.encode())
+    assert admission.run_id != inputs.run_id
     assert admission.new and admission.seed == 0xC0FFEE and admission.lease == ""
     entry = admission.entry.entry
     assert entry.index == size_before
@@ -103,7 +106,7 @@ def test_a_job_on_pinned_inputs_is_admitted_and_its_run_pinned(lab: Lab) -> None
     assert entry.author == "vision-user"
     # The run id names a stored blob: the inputs document anyone can read back.
     assert lab.client.get(admission.run_id, lab.server.base / "inputs.json").sha256
-    assert RunInputs.decode((lab.server.base / "inputs.json").read_bytes()) == inputs
+    assert RunInputs.decode((lab.server.base / "inputs.json").read_bytes()) == admission.inputs
     assert [p.entry.index for p in lab.client.lookup(admission.run_id)] == [entry.index]
 
 
@@ -320,10 +323,12 @@ def test_an_expired_replay_gives_its_slot_back(start_vault: StartVault) -> None:
 def test_vault_admit_prints_one_line_for_a_scheduler(lab: Lab) -> None:
     args = ["--image", lab.image, "--dataset", lab.dataset, "--seed", "0xC0FFEE"]
     run = lab.server.run("admit", *args, "--team", "vision", "--porcelain").ok()
-    expected = RunInputs(lab.image, lab.dataset, 0xC0FFEE).run_id
+    expected = run.stdout.split()[0].removeprefix("run_id=")
     assert run.stdout == f"run_id={expected} seed={0xC0FFEE}\n"
+    # The vault's nonce is in the run id: the bare inputs' digest is not it.
+    assert expected != RunInputs(lab.image, lab.dataset, 0xC0FFEE).run_id
 
-    shown = lab.server.run("admit", *args).ok().stdout
+    shown = lab.server.run("admit", *args, "--team", "vision").ok().stdout
     assert expected in shown and "admitted before" in shown
 
     refused = lab.server.run(

@@ -80,18 +80,21 @@ def test_an_admission_answers_the_run_id_and_seed_the_vault_recorded(
     agent: AdmissionAgent, vault: VaultServer, pinned: Pinned
 ) -> None:
     answer = agent.ask(pinned.request(team="vision"))
-    expected = RunInputs.checked(image=pinned.image, dataset=pinned.dataset, seed=SEED)
-    assert answer == {"admitted": True, "run_id": expected.run_id, "seed": "12648430"}
-    # The same answer `vault admit` gives, and the run entry the vault recorded.
+    run_id = answer["run_id"]
+    assert answer == {"admitted": True, "run_id": run_id, "seed": "12648430"}
+    bare = RunInputs.checked(image=pinned.image, dataset=pinned.dataset, seed=SEED)
+    assert run_id != bare.run_id  # the vault's nonce is in it
+    # The same answer `vault admit` gives the same team, and the run entry the vault recorded.
     admitted = vault.run(
         "admit",
         f"--image={pinned.image}",
         f"--dataset={pinned.dataset}",
         f"--seed={SEED}",
+        "--team=vision",
         "--porcelain",
     )
-    assert admitted.ok().stdout == f"run_id={expected.run_id} seed=12648430\n"
-    runs = vault.run("lookup", expected.run_id, "--json").ok().json()
+    assert admitted.ok().stdout == f"run_id={run_id} seed=12648430\n"
+    runs = vault.run("lookup", run_id, "--json").ok().json()
     run = next(e for e in runs if e["kind"] == "run")
     assert run["meta"]["team"] == "vision" and run["meta"]["seed"] == "12648430"
 
@@ -103,9 +106,16 @@ def test_the_config_and_run_id_are_passed_on(
     request = pinned.request(config=config, seed="99")
     # An unpinned config is the vault's refusal, so it did reach the vault.
     assert agent.ask(request) == {"admitted": False, "reason": vaults_word(vault, request)}
-    run_id = RunInputs.checked(image=pinned.image, dataset=pinned.dataset, seed=99).run_id
+    # The run id `vault run` got from its own admission is admitted again as that run.
+    first = agent.ask(pinned.request(seed="99"))
+    run_id = first["run_id"]
     answer = agent.ask(pinned.request(seed="99", run_id=run_id))
     assert answer == {"admitted": True, "run_id": run_id, "seed": "99"}
+    # A run id computed from the inputs alone names no admitted run: the vault chose a nonce.
+    guessed = RunInputs.checked(image=pinned.image, dataset=pinned.dataset, seed=99).run_id
+    refused = agent.ask(pinned.request(seed="99", run_id=guessed))
+    assert refused["admitted"] is False
+    assert f"run id {guessed} does not name these inputs" in refused["reason"]
 
 
 @pytest.mark.parametrize(
@@ -226,9 +236,11 @@ def test_concurrent_requests_each_get_their_own_answer(
         e["subjects"][0]: e for e in vault.run("log", "--kind", "run", "--json").ok().json_lines()
     }
     for seed in seeds:
-        run_id = RunInputs.checked(image=pinned.image, dataset=pinned.dataset, seed=seed).run_id
+        run_id = answers[seed]["run_id"]
         assert answers[seed] == {"admitted": True, "run_id": run_id, "seed": seed}
         assert runs[run_id]["meta"]["team"] == f"team{seed}"
+        assert runs[run_id]["meta"]["seed"] == seed
+    assert len({answers[seed]["run_id"] for seed in seeds}) == len(seeds)
 
 
 def test_the_vault_down_is_unavailable_and_its_return_admits_again(

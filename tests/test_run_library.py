@@ -99,7 +99,8 @@ def test_seed_and_run_come_from_the_job_environment(
     env = job_env(vault_server, admission, tmp_path)
     with start(environ=env, output_dir=tmp_path / "out") as run:
         assert run.seed == seed
-        assert run.run_id == admission.run_id == RunInputs(**{**pins, "seed": seed}).run_id
+        assert run.run_id == admission.run_id == admission.inputs.run_id
+        assert run.inputs.bare == RunInputs(**{**pins, "seed": seed})
         assert run.team == "vision"
         ours, reference = run.rng(), random.Random(seed)
         assert [ours.random() for _ in range(3)] == [reference.random() for _ in range(3)]
@@ -128,10 +129,9 @@ def test_a_tampered_job_environment_is_refused(
     other_seed = admission.seed ^ 1
     with pytest.raises(VerificationError) as refused:
         start(environ={**good, "PINVAULT_SEED": str(other_seed)}, output_dir=tmp_path)
-    other_run = RunInputs(**{**pins, "seed": other_seed}).run_id
     assert str(refused.value) == (
-        f"PINVAULT_RUN_ID is {admission.run_id} but the job's inputs (image, dataset, config, "
-        f"seed) make run {other_run}: the job's environment is not its admission's"
+        f"PINVAULT_SEED is {other_seed} but run {admission.run_id} was admitted with "
+        f"{admission.seed}"
     )
 
     # Without a seed to hash, the inputs are held to the document the vault stored.
@@ -195,7 +195,12 @@ def test_an_output_is_hashed_on_the_way_stored_and_recorded(
     assert f.artefact is not None and f.artefact.sha256 == sha256(data)
     (entry,) = entries_of(client, admission.run_id, "artefact")
     assert entry.subjects == (sha256(data), admission.run_id)
-    assert dict(entry.meta) == {"path": "results/weights.bin", "size": str(len(data))}
+    # The team is the vault's record of who wrote it: the run's (in local mode, as claimed).
+    assert dict(entry.meta) == {
+        "path": "results/weights.bin",
+        "size": str(len(data)),
+        "team": admission.team,
+    }
     copy = tmp_path / "copy"
     client.get(sha256(data), copy)
     assert copy.read_bytes() == data
@@ -381,7 +386,8 @@ def test_a_checkpoint_whose_pin_fails_is_not_the_latest(
             for e in entries_of(other, admission.run_id, "checkpoint")
             if e.subjects[0] == first.digest
         ]
-        assert pin.subjects == (first.digest, admission.run_id) and dict(pin.meta) == {"step": "10"}
+        assert pin.subjects == (first.digest, admission.run_id)
+        assert dict(pin.meta) == {"step": "10", "team": admission.team}
 
 
 def test_restore_refuses_a_file_whose_stored_bytes_are_corrupt(
@@ -452,6 +458,7 @@ def test_finish_publishes_the_manifest_and_a_one_line_replicate_sh(
         "image": pins["image"],
         "dataset": pins["dataset"],
         "seed": str(seed),
+        "nonce": admission.inputs.nonce,
     }
     assert sha256(canonical_json(manifest["inputs"])) == admission.run_id
     assert manifest["team"] == "nlp"
@@ -467,7 +474,7 @@ def test_finish_publishes_the_manifest_and_a_one_line_replicate_sh(
 
     (pin,) = [e for e in entries_of(client, admission.run_id, "run") if e.subjects[0] == digest]
     assert pin.subjects == (digest, admission.run_id)
-    assert dict(pin.meta) == {"stage": "manifest"} and pin.author == "ada@node7"
+    assert dict(pin.meta) == {"stage": "manifest", "team": "nlp"} and pin.author == "ada@node7"
     loaded = load_run_manifest(client, digest)
     assert loaded.run_id == admission.run_id and loaded.seed == seed
     assert files_in(out) == ["b/model.bin", "metrics.json", "replicate.sh"]

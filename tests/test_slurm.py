@@ -12,6 +12,7 @@ is refused."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import socket
@@ -666,3 +667,82 @@ def test_a_replay_makes_the_same_outputs_and_quotas_hold(lab: Lab) -> None:
         )
     finally:
         lab.cluster.run("scancel", *held)
+
+
+# -- job arrays: each task resumes only its own work --------------------------------------------
+
+# Each task reports the checkpoint it resumed from, then commits one of its own at a step of
+# its own number: task 2's step is higher, so a `latest()` that crossed tasks would find it.
+ARRAY_JOB = f"""#!/bin/sh
+#SBATCH --account=vision
+#SBATCH --array=1-2
+folder="array-$SLURM_ARRAY_JOB_ID-$SLURM_ARRAY_TASK_ID"
+mkdir -p "$folder" && cd "$folder" || exit 1
+exec {sys.executable} - <<'PY'
+import os
+import vault.runs
+
+task = os.environ["SLURM_ARRAY_TASK_ID"]
+with vault.runs.start() as run:
+    resume = run.latest()
+    seen = "none"
+    if resume is not None:
+        seen = resume.restore("ckpt")["owner.txt"].read_text()
+    run.checkpoint(int(task), {{"owner.txt": f"task {{task}}".encode()}})
+    with run.output("resumed.txt") as out:
+        out.write(seen.encode())
+PY
+"""
+
+
+def wait_for_array(cluster: SlurmCluster, array_id: int, tasks: int) -> list[dict[str, object]]:
+    deadline = time.monotonic() + 120
+    while True:
+        done = cluster.run("squeue", "--json", "--states=all")
+        assert done.returncode == 0, done.stderr
+        records = [
+            job
+            for job in json.loads(done.stdout)["jobs"]
+            if job.get("array_job_id") == array_id and job.get("array_task_id") is not None
+        ]
+        finished = [r for r in records if r["job_state"] not in ("PENDING", "RUNNING")]
+        if len(finished) == tasks:
+            return finished
+        assert time.monotonic() < deadline, records
+        time.sleep(0.2)
+
+
+def test_tasks_of_a_job_array_never_resume_from_each_other(lab: Lab) -> None:
+    script = lab.script.with_name("array.sbatch")
+    script.write_text(ARRAY_JOB)
+    arguments = ["--image", lab.image, "--dataset", lab.dataset, "--seed", "0xA77A"]
+    run_ids = []
+    resumed: dict[tuple[int, int], str] = {}
+    for submission in range(2):
+        status, stdout, stderr = lab.vault_command(
+            "run", *arguments, "--team", "vision", "--", str(script)
+        )
+        assert status == 0, stderr
+        run_ids.append(re.search(r"→ run id\s+(sha256:\S+)", stdout).group(1))  # type: ignore[union-attr]
+        array_id = int(re.search(r"job (\d+)", stdout).group(1))  # type: ignore[union-attr]
+        for record in wait_for_array(lab.cluster, array_id, 2):
+            task = int(record["array_task_id"])  # type: ignore[call-overload]
+            log = lab.cluster.jobs_dir / f"slurm-{array_id}_{task}.out"
+            assert record["job_state"] == "COMPLETED", log.read_text(errors="replace")
+            folder = lab.cluster.jobs_dir / f"array-{array_id}-{task}"
+            resumed[submission, task] = (folder / "resumed.txt").read_text()
+
+    # The same inputs of the same team are one run, across both arrays and their tasks...
+    assert run_ids[0] == run_ids[1]
+    # ...but a task resumes only from its own checkpoint, never from the other task's.
+    assert resumed[0, 1] == "none" and resumed[0, 2] == "none"
+    assert resumed[1, 1] == "task 1" and resumed[1, 2] == "task 2"
+
+    # Each task's entries say which task wrote them.
+    with VaultClient(lab.vault.address, timeout=60) as client:
+        steps = {
+            (p.entry.meta.get("task"), p.entry.meta["step"])
+            for p in client.lookup(run_ids[0])
+            if p.entry.kind == "checkpoint"
+        }
+    assert steps == {("1", "1"), ("2", "2")}

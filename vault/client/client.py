@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import IO
 
 from vault.client.channel import Credentials, open_channel, rpc_errors
-from vault.client.proofs import check_inclusion, check_proven
+from vault.client.proofs import check_inclusion, check_proven, names_any, not_about
 from vault.client.reader import BlobReader
 from vault.client.results import Admission, BlobInfo, ProvenEntry, PutResult, Stat
 from vault.client.state import StateFile, TrustState
 from vault.client.transfer import Transfer
 from vault.digest import Digest
-from vault.errors import VerificationError
+from vault.errors import InvalidArgument, NotFound, VerificationError
 from vault.ledger.audit import Auditor, AuditReport
 from vault.ledger.checkpoint import Checkpoint, Verifier
 from vault.ledger.entry import Entry
@@ -66,6 +66,8 @@ class VaultClient:
         self.timeout = timeout
         self._trust = TrustState(self.ledger, self.state, verifier_key)
         self._transfer = Transfer(self.store, timeout)
+        # blake3 digest -> the sha256 digest this client computed from the same bytes.
+        self._aliases: dict[Digest, Digest] = {}
 
     def close(self) -> None:
         self.channel.close()
@@ -112,8 +114,30 @@ class VaultClient:
     def open(
         self, digest: str, *, offset: int = 0, length: int | None = None, check_chunks: bool = True
     ) -> BlobReader:
-        """A verified, file-like reader of a blob or a range of it."""
+        """A file-like reader of a blob or a range of it.
+
+        A whole blob streams: each chunk is checked against the server's chunk list as it
+        comes, and reading the end raises IntegrityError unless everything matches the digest,
+        so act on the bytes only once the end was read. A range is verified before it is read:
+        the whole blob is fetched into an unlinked private file and its digest checked first
+        (the server's chunk list alone is bound to nothing signed)."""
         return self._transfer.open(digest, offset=offset, length=length, check_chunks=check_chunks)
+
+    def copy_to(
+        self,
+        digest: str,
+        out: int,
+        *,
+        offset: int = 0,
+        length: int | None = None,
+        spool: str | os.PathLike[str] | None = None,
+    ) -> BlobInfo:
+        """Write a verified blob (or range) to the descriptor `out`, such as standard output,
+        which cannot take bytes back: the whole blob is first fetched into an unlinked private
+        file in `spool` (default: the user's cache folder, ~/.cache/pinvault) and checked
+        against its digest, and only then is any byte copied to `out`. On failure nothing
+        reaches `out`."""
+        return self._transfer.copy_to(digest, out, offset=offset, length=length, spool=spool)
 
     def get(
         self,
@@ -127,10 +151,13 @@ class VaultClient:
     ) -> BlobInfo:
         """Write a verified blob (or range) to `path`; the file appears only once verified.
 
-        For a whole blob, a client on the vault's own host hands the new file to the server,
-        which writes each verified chunk into it (vault.client.handoff); the client then checks
-        the whole digest of what it reads back. Ranges, and `handoff=False`, stream; `handoff=True`
-        fails if the handoff cannot be had."""
+        The bytes go into a new file of a random name beside `path` (created O_EXCL|O_NOFOLLOW,
+        mode 0600, so nothing planted there is followed), renamed onto `path` only once the
+        whole digest matched; on failure only that file is removed. A client on the vault's own
+        host hands the new file to the server, which writes each chunk into it
+        (vault.client.handoff); the client then checks the whole digest of what it reads back.
+        `handoff=False` streams; `handoff=True` fails if the handoff cannot be had. A range is
+        cut from the whole blob once that is verified (see `open`)."""
         return self._transfer.get(
             digest, path, offset=offset, length=length, progress=progress, handoff=handoff
         )
@@ -174,8 +201,22 @@ class VaultClient:
         with rpc_errors():
             response = self.ledger.Pin(request, timeout=self.timeout)
         entry = Entry.decode(response.entry.body)
-        if entry.kind != kind or dict(entry.meta) != dict(meta or {}) or entry.external != external:
+        # The vault adds `team` to a pin that names a run: the team it wrote for, from the
+        # caller's credential (docs/run-manifest.md).
+        recorded = dict(entry.meta)
+        if "team" not in (meta or {}):
+            recorded.pop("team", None)
+        if entry.kind != kind or recorded != dict(meta or {}) or entry.external != external:
             raise VerificationError("the vault recorded a different entry than the one asked for")
+        if len(entry.subjects) != len(subjects) or not all(
+            self._same_blob(asked, recorded, external)
+            for asked, recorded in zip(subjects, entry.subjects, strict=True)
+        ):
+            raise VerificationError(
+                f"asked to pin {', '.join(subjects)}, the vault recorded entry {entry.index} "
+                f"naming {', '.join(entry.subjects)}",
+                index=entry.index,
+            )
         return self.prove(response.entry.index, response.entry.body)
 
     def prove(self, index: int, body: bytes) -> ProvenEntry:
@@ -187,27 +228,88 @@ class VaultClient:
 
     def lookup(self, digest: str) -> list[ProvenEntry]:
         """The entries that pin a digest, each verified to be in a signed checkpoint that is
-        consistent with everything this client verified before."""
-        wanted = str(Digest.parse(digest))
+        consistent with everything this client verified before, and to name the digest (see
+        `_about` for a blake3 alias)."""
+        wanted = Digest.parse(digest)
         with self._trust.trusted() as trusted:
             with rpc_errors():
                 response = self.ledger.Lookup(
-                    pb.LookupRequest(digest=wanted, known_size=trusted.size), timeout=self.timeout
-                )
-            checkpoint = trusted.update(response.checkpoint.note, list(response.consistency.hashes))
-        return [check_proven(p, checkpoint) for p in response.entries]
-
-    def lookup_many(self, digests: Sequence[str]) -> dict[str, list[ProvenEntry]]:
-        with self._trust.trusted() as trusted:
-            with rpc_errors():
-                response = self.ledger.LookupBatch(
-                    pb.LookupBatchRequest(digests=digests, known_size=trusted.size),
+                    pb.LookupRequest(digest=str(wanted), known_size=trusted.size),
                     timeout=self.timeout,
                 )
             checkpoint = trusted.update(response.checkpoint.note, list(response.consistency.hashes))
-        return {
-            r.digest: [check_proven(p, checkpoint) for p in r.entries] for r in response.results
-        }
+        return self._about(wanted, [check_proven(p, checkpoint) for p in response.entries])
+
+    def lookup_many(self, digests: Sequence[str]) -> dict[str, list[ProvenEntry]]:
+        """`lookup` of many digests in one call: each digest as given, to its entries."""
+        wanted = [Digest.parse(d) for d in digests]
+        with self._trust.trusted() as trusted:
+            with rpc_errors():
+                response = self.ledger.LookupBatch(
+                    pb.LookupBatchRequest(
+                        digests=[str(w) for w in wanted], known_size=trusted.size
+                    ),
+                    timeout=self.timeout,
+                )
+            checkpoint = trusted.update(response.checkpoint.note, list(response.consistency.hashes))
+        if len(response.results) != len(wanted):
+            raise VerificationError(
+                f"asked about {len(wanted)} digests, the vault answered {len(response.results)}"
+            )
+        found: dict[str, list[ProvenEntry]] = {}
+        for asked, digest, result in zip(digests, wanted, response.results, strict=True):
+            if result.digest != str(digest):
+                raise VerificationError(
+                    f"asked about {digest}, the vault answered about {result.digest!r}"
+                )
+            found[asked] = self._about(
+                digest, [check_proven(p, checkpoint) for p in result.entries]
+            )
+        return found
+
+    def _about(self, wanted: Digest, entries: list[ProvenEntry]) -> list[ProvenEntry]:
+        """`entries`, once each is found to name `wanted` in its verified body.
+
+        Pins name a stored blob by its sha256 digest, so a look-up by its blake3 alias finds
+        entries naming another digest, which nothing signed ties to the alias. Such an entry is
+        accepted only if this client hashed the blob's bytes itself: it fetches the blob by its
+        blake3 digest (verifying that), computes its sha256 in the same pass, and accepts
+        entries naming that. A blob the store does not hold cannot be tied, and such entries
+        are refused."""
+        names = {str(wanted)}
+        tied: Digest | None = None
+        for proven in entries:
+            if names_any(names, proven):
+                continue
+            if wanted.algorithm == "blake3" and tied is None:
+                tied = self._sha256_of(wanted)
+                if tied is not None:
+                    names.add(str(tied))
+                    if names_any(names, proven):
+                        continue
+            raise not_about(str(wanted), proven, str(tied) if tied else None)
+        return entries
+
+    def _sha256_of(self, alias: Digest) -> Digest | None:
+        """The sha256 digest of the blob named by a blake3 `alias`, computed by this client from
+        bytes verified against the alias; None if the store does not hold the blob."""
+        if alias not in self._aliases:
+            try:
+                self._aliases[alias] = self._transfer.sha256_of(alias)
+            except NotFound:
+                return None
+        return self._aliases[alias]
+
+    def _same_blob(self, asked: str, recorded: str, external: bool) -> bool:
+        """Whether a pin's subject as recorded names the blob asked for: the same digest, or,
+        for a stored blob asked for by blake3, the sha256 this client computes of its bytes."""
+        if recorded == asked:
+            return True
+        wanted = Digest.parse(asked)
+        if external or wanted.algorithm != "blake3":
+            return False
+        tied = self._sha256_of(wanted)
+        return tied is not None and str(tied) == recorded
 
     # ------------------------------------------------------------------ admission
 
@@ -240,22 +342,31 @@ class VaultClient:
             with rpc_errors():
                 response = self.admission.Admit(request, timeout=self.timeout)
             checkpoint = trusted.update(response.checkpoint.note, list(response.consistency.hashes))
-        if response.inputs != inputs.encode() or response.run_id != inputs.run_id:
+        # The run's inputs document is these inputs plus the nonce the vault chose when it
+        # first admitted the run (none for runs admitted before nonces); the run id is its digest.
+        try:
+            admitted = RunInputs.decode(response.inputs)
+        except InvalidArgument as exc:
+            raise VerificationError(f"the vault's inputs document is malformed: {exc}") from None
+        if admitted.bare != inputs or response.run_id != admitted.run_id:
             raise VerificationError(
-                f"the vault admitted run {response.run_id}, but these inputs make {inputs.run_id}"
+                f"the vault admitted run {response.run_id}, but its inputs document "
+                f"{admitted.run_id} is not of these inputs"
             )
         proven = check_proven(response.entry, checkpoint)
         entry = proven.entry
         if (
             entry.kind != "run"
-            or inputs.run_id not in entry.subjects
+            or entry.subjects[:1] != (admitted.run_id,)
             or entry.meta.get("seed") != str(inputs.seed)
         ):
             raise VerificationError(
-                f"the vault's pin for run {inputs.run_id} (entry {entry.index}) is not a pin of "
+                f"the vault's pin for run {admitted.run_id} (entry {entry.index}) is not a pin of "
                 "this run"
             )
-        return Admission(inputs.run_id, inputs, proven, response.new, response.lease, response.team)
+        return Admission(
+            admitted.run_id, admitted, proven, response.new, response.lease, response.team
+        )
 
     def release_replay(self, lease: str, *, team: str = "") -> None:
         with rpc_errors():

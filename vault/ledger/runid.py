@@ -1,16 +1,20 @@
 """A run's inputs and its run id (docs/run-manifest.md).
 
 A run id is the sha256 digest of the run's canonical inputs document: image, dataset, optional
-config, and seed. The same inputs are the same experiment and so the same run id; any changed
-digest or seed is a new one. Because the id is a digest, the vault stores the document as a blob
-and every entry of the run names it as a subject, so `vault lookup RUN_ID` lists the run.
+config, seed, and the nonce the vault chose when it first admitted the run. The nonce makes a run
+id unknowable before its admission (so nobody can pin into a run, or claim it, in advance); the
+vault finds a team's existing run of the same inputs, so the same inputs are still the same run
+for that team. Documents of runs admitted before nonces have none and keep their run ids. The
+vault stores the document as a blob and every entry of the run names it as a subject, so
+`vault lookup RUN_ID` lists the run.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from vault.canonical import canonical_json, load_json_object
@@ -21,7 +25,10 @@ INPUTS_TYPE: Final = "pinvault.run-inputs"
 INPUTS_VERSION: Final = 1
 MAX_SEED: Final = 2**64 - 1
 MAX_INPUTS_BYTES: Final = 4096
-_FIELDS: Final = frozenset({"type", "v", "image", "dataset", "config", "seed"})
+_FIELDS: Final = frozenset({"type", "v", "image", "dataset", "config", "seed", "nonce"})
+# 128 random bits, chosen by the vault at admission.
+NONCE_HEX: Final = 32
+_NONCE: Final = re.compile(f"[0-9a-f]{{{NONCE_HEX}}}")
 
 
 def parse_seed(value: str | int) -> int:
@@ -71,17 +78,35 @@ class RunInputs:
     dataset: str
     seed: int
     config: str = ""
+    # Chosen by the vault when it admits the run; "" in the inputs a job asks to run on, and in
+    # runs admitted before run ids had one.
+    nonce: str = ""
 
     @classmethod
-    def checked(cls, *, image: str, dataset: str, seed: str | int, config: str = "") -> RunInputs:
+    def checked(
+        cls, *, image: str, dataset: str, seed: str | int, config: str = "", nonce: str = ""
+    ) -> RunInputs:
         """Inputs from a caller, each refused with a message that names it when it is not a
         sha256 digest (a floating tag such as `name:tag` included)."""
+        if nonce and not _NONCE.fullmatch(nonce):
+            raise InvalidArgument(
+                f"bad run nonce {nonce[:80]!r}: expected {NONCE_HEX} lowercase hex digits"
+            )
         return cls(
             image=_sha256_digest("image", image),
             dataset=_sha256_digest("dataset", dataset),
             config=_sha256_digest("config", config) if config else "",
             seed=parse_seed(seed),
+            nonce=nonce,
         )
+
+    def with_nonce(self, nonce: str) -> RunInputs:
+        return replace(self, nonce=nonce)
+
+    @property
+    def bare(self) -> RunInputs:
+        """The inputs a job asks to run on: these without the vault's nonce."""
+        return replace(self, nonce="") if self.nonce else self
 
     def as_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -94,10 +119,13 @@ class RunInputs:
         }
         if self.config:
             doc["config"] = self.config
+        if self.nonce:
+            doc["nonce"] = self.nonce
         return doc
 
     def encode(self) -> bytes:
-        """The canonical (RFC 8785) bytes whose sha256 is the run id."""
+        """The canonical (RFC 8785) bytes whose sha256 is the run id (of an admitted run: these
+        inputs with the vault's nonce)."""
         return _canonical(self)[0]
 
     @property
@@ -126,11 +154,14 @@ class RunInputs:
             raise InvalidArgument(f"run inputs version {obj.get('v')!r} is not {INPUTS_VERSION}")
         if not isinstance(obj.get("seed"), str):
             raise InvalidArgument("run inputs seed must be a decimal string")
+        if "nonce" in obj and not (isinstance(obj["nonce"], str) and obj["nonce"]):
+            raise InvalidArgument("run inputs nonce must be a non-empty string")
         inputs = cls.checked(
             image=str(obj.get("image", "")),
             dataset=str(obj.get("dataset", "")),
             config=str(obj.get("config", "")),
             seed=obj["seed"],
+            nonce=str(obj.get("nonce", "")),
         )
         if inputs.encode() != data:
             raise InvalidArgument("run inputs document is not in canonical form")

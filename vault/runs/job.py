@@ -10,7 +10,7 @@ from vault.digest import Digest
 from vault.errors import FailedPrecondition, InvalidArgument, NotFound
 from vault.ledger.entry import Entry
 from vault.ledger.runid import MAX_INPUTS_BYTES, RunInputs
-from vault.runs.manifest import entries_naming, read_bounded
+from vault.runs.manifest import entries_naming, first_admission, read_bounded
 
 
 def required_variable(env: Mapping[str, str], name: str) -> str:
@@ -40,15 +40,17 @@ def fetch_inputs(client: VaultClient, run_id: str) -> RunInputs:
 
 
 def admission_entry(client: VaultClient, inputs: RunInputs) -> Entry:
-    for proven in entries_naming(client, inputs.run_id):
-        entry = proven.entry
-        if (
-            entry.kind == "run"
-            and entry.meta.get("stage") == "admitted"
-            and entry.subjects[:1] == (inputs.run_id,)
-            and entry.meta.get("seed") == str(inputs.seed)
-        ):
-            return entry
-    raise FailedPrecondition(
-        f"run {inputs.run_id} was never admitted: no `run` entry with stage=admitted names it"
-    )
+    """The run's admission entry, proved: the first `run` entry with stage=admitted whose first
+    subject is the run id, as the vault takes it (its `team` is the team the run is for)."""
+    entry = first_admission(entries_naming(client, inputs.run_id), inputs.run_id)
+    if entry is None:
+        raise FailedPrecondition(
+            f"run {inputs.run_id} was never admitted: no `run` entry with stage=admitted names it"
+        )
+    if entry.meta.get("seed") != str(inputs.seed) or not entry.meta.get("team"):
+        raise FailedPrecondition(
+            f"run {inputs.run_id}'s admission entry {entry.index} records seed "
+            f"{entry.meta.get('seed', 'none')} and team {entry.meta.get('team') or 'none'}: "
+            f"expected seed {inputs.seed} and a team"
+        )
+    return entry

@@ -15,7 +15,8 @@ from vault.canonical import canonical_json, expect_fields, load_json_object
 from vault.client import ProvenEntry, VaultClient, read_all
 from vault.config import ENV_SCRIPT
 from vault.digest import Digest
-from vault.errors import FailedPrecondition, InvalidArgument, NotFound
+from vault.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from vault.ledger.entry import Entry
 from vault.ledger.runid import RunInputs
 from vault.store.manifest import check_path
 
@@ -394,7 +395,8 @@ def read_bounded(client: VaultClient, digest: str, what: str, limit: int) -> byt
 
 def load_run_manifest(client: VaultClient, digest: str) -> RunManifest:
     """A published run manifest: fetched verified, decoded strictly, and checked to be pinned
-    as its run's manifest (what `vault replay` starts from)."""
+    as its run's manifest by the team the run was admitted for (what `vault replay` starts
+    from). A manifest anyone else pinned for the run is refused, naming who pinned it."""
     wanted = str(Digest.parse(digest))
     manifest = RunManifest.decode(
         read_bounded(client, wanted, "run manifest", MAX_RUN_MANIFEST_BYTES)
@@ -412,7 +414,34 @@ def load_run_manifest(client: VaultClient, digest: str) -> RunManifest:
             f"{wanted} is not a published run manifest: no `run` entry with stage=manifest "
             f"pins it for run {manifest.run_id}"
         )
+    admission = first_admission(entries_naming(client, manifest.run_id), manifest.run_id)
+    if admission is None:
+        raise FailedPrecondition(
+            f"run {manifest.run_id} was never admitted: no `run` entry with stage=admitted names it"
+        )
+    team = admission.meta.get("team", "")
+    if not team or not any(e.meta.get("team") == team for e in published):
+        sealer = published[0]
+        raise PermissionDenied(
+            f"run manifest {wanted} was sealed by {sealer.author} (team "
+            f"{sealer.meta.get('team') or 'not recorded'}, entry {sealer.index}), not by team "
+            f"{team or 'none'}, which run {manifest.run_id} was admitted for: refusing to replay it"
+        )
     return manifest
+
+
+def first_admission(entries: Sequence[ProvenEntry], run_id: str) -> Entry | None:
+    """The run's admission entry among `entries` (in ledger order): the first `run` entry with
+    stage=admitted whose first subject is the run id, as the vault takes it."""
+    for proven in entries:
+        entry = proven.entry
+        if (
+            entry.kind == "run"
+            and entry.meta.get("stage") == "admitted"
+            and entry.subjects[:1] == (run_id,)
+        ):
+            return entry
+    return None
 
 
 def load_checkpoint_manifest(client: VaultClient, digest: str) -> CheckpointManifest:

@@ -60,6 +60,8 @@ if TYPE_CHECKING:
 HASH_BLOCK: Final = 1 << 20
 PUTS_IN_FLIGHT: Final = 4
 REPLICATE_SCRIPT: Final = "replicate.sh"
+# Set by Slurm in each task of a job array.
+ENV_ARRAY_TASK: Final = "SLURM_ARRAY_TASK_ID"
 
 _DECIMAL: Final = re.compile(r"0|[1-9][0-9]{0,15}")
 
@@ -139,8 +141,18 @@ class Run:
         self.inputs = inputs
         self.run_id = inputs.run_id
         self.admission = admission
-        # A replay is admitted against the original's `run` entry but runs for its own team.
-        self.team = team or admission.meta.get("team", "")
+        # The run's team is the one its admission entry records; only a replay, admitted
+        # against that entry, runs for a team of its own (the vault holds its slot for it).
+        admitted_team = admission.meta.get("team", "")
+        if replay_lease:
+            self.team = team or admitted_team
+        elif team and team != admitted_team:
+            raise VerificationError(
+                f"{ENV_TEAM} is {team} but run {self.run_id} was admitted for team "
+                f"{admitted_team or 'none'} (admission entry {admission.index})"
+            )
+        else:
+            self.team = admitted_team
         self.replay_of = replay_of
         self.output_dir = output_dir
         self._lease = replay_lease
@@ -150,6 +162,12 @@ class Run:
         self.replay = (
             "sha256:" + hashlib.sha256(replay_lease.encode()).hexdigest() if replay_lease else ""
         )
+        env = os.environ if environ is None else environ
+        # Each task of a job array has its own checkpoints and outputs inside the run: tasks
+        # with the same inputs are one run, but one task never resumes from another's work.
+        self.task = env.get(ENV_ARRAY_TASK, "")
+        if self.task and not _DECIMAL.fullmatch(self.task):
+            raise InvalidArgument(f"{ENV_ARRAY_TASK} is {self.task[:80]!r}: expected a task number")
         self._environ = dict(os.environ if environ is None else environ)
         self._owns_client = owns_client
         # Weak: an output dropped unclosed is collected, and aborts itself, as it would alone.
@@ -181,27 +199,28 @@ class Run:
             ENV_CONFIG: env.get(ENV_CONFIG, ""),
         }
         seed = env.get(ENV_SEED, "")
-        if seed:
-            local = RunInputs.checked(
-                image=claimed[ENV_IMAGE],
-                dataset=claimed[ENV_DATASET],
-                config=claimed[ENV_CONFIG],
-                seed=seed,
-            )
-            if local.run_id != run_id:
-                raise VerificationError(
-                    f"{ENV_RUN_ID} is {run_id} but the job's inputs (image, dataset, config, "
-                    f"seed) make run {local.run_id}: the job's environment is not its admission's"
-                )
+        # Checked before connecting: a malformed seed or digest is the job's own mistake.
+        local = RunInputs.checked(
+            image=claimed[ENV_IMAGE],
+            dataset=claimed[ENV_DATASET],
+            config=claimed[ENV_CONFIG],
+            seed=seed or 0,
+        )
         owns = client is None
         # Set up as the `vault` command's would be, with the same trust state, so that a job
         # and the command verify against one history.
         vault = open_client(config.load(environ=env)) if client is None else client
         try:
+            # The run id names the inputs document (with the vault's nonce), fetched verified;
+            # every input the job was given must be the one it records.
             inputs = fetch_inputs(vault, run_id)
+            given = {ENV_IMAGE: local.image, ENV_DATASET: local.dataset, ENV_CONFIG: local.config}
             recorded = {ENV_IMAGE: inputs.image, ENV_DATASET: inputs.dataset}
             recorded[ENV_CONFIG] = inputs.config
-            for name, value in claimed.items():
+            if seed:
+                given[ENV_SEED] = str(local.seed)
+                recorded[ENV_SEED] = str(inputs.seed)
+            for name, value in given.items():
                 if value != recorded[name]:
                     raise VerificationError(
                         f"{name} is {value or 'unset'} but run {run_id} was admitted with "
@@ -432,19 +451,27 @@ class Run:
     # ------------------------------------------------------------------ the ledger
 
     def _meta(self, **meta: str) -> dict[str, str]:
+        # The team is the vault's to record: it refuses a pin whose caller is not of it.
+        meta["team"] = self.team
         if self.replay:
             meta["replay"] = self.replay
+        if self.task:
+            meta["task"] = self.task
         return meta
 
     def _entries(self, kind: str) -> Iterator[ProvenEntry]:
-        """This run's entries of `kind` (this replay's only, on a replay), in ledger order."""
+        """This run's entries of `kind`, in ledger order: those its own team wrote (as the vault
+        recorded it), of this replay only on a replay, and of this array task only in a job
+        array. The vault refuses other teams' pins into a run; this is the second lock."""
         for proven in entries_naming(self.client, self.run_id):
             entry = proven.entry
             if (
                 entry.kind == kind
                 and len(entry.subjects) == 2
                 and entry.subjects[1] == self.run_id
+                and entry.meta.get("team") == self.team
                 and entry.meta.get("replay", "") == self.replay
+                and entry.meta.get("task", "") == self.task
             ):
                 yield proven
 

@@ -1,14 +1,17 @@
 """Admission: the scheduler's question, may this job run?, answered from the ledger and the
 content store. A job runs only on pinned inputs whose content is present and intact; admitting
-it pins the run, and a replay takes one of its team's replay slots."""
+it pins the run (for one team, under a run id nobody knew before), and a replay takes one of its
+team's replay slots. Also who may write into a run: its admitted team, and a replay's holder."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import secrets
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -23,13 +26,19 @@ from vault.errors import (
 )
 from vault.ledger.db import Writer
 from vault.ledger.entry import Entry
-from vault.ledger.log import Ledger, PinSpec, StoredEntry
-from vault.ledger.runid import RunInputs
+from vault.ledger.log import Ledger
+from vault.ledger.records import PinSpec, StoredEntry
+from vault.ledger.runid import NONCE_HEX, RunInputs
+from vault.server.auth import Identity
 from vault.server.content import Content
 from vault.store.manifest import MAX_MANIFEST_BYTES, decode_manifest
 
 ADMITTED: Final = "admitted"
 MANIFEST: Final = "manifest"
+# Set by the vault on every entry that names a run: the team that wrote it.
+TEAM: Final = "team"
+# A replay's entries carry the sha256 of its lease under this key.
+REPLAY: Final = "replay"
 # Admissions of many runs touch few inputs; the cache of recent checks stays small.
 _MAX_REMEMBERED: Final = 100_000
 
@@ -49,16 +58,133 @@ class Admitted:
     inputs: RunInputs
     entry: StoredEntry
     new: bool
-    # The team admitted for (a run admitted before may have been pinned for another).
+    # The team admitted for: the run's own, or a replay's.
     team: str
     lease: str = ""
 
 
-def check_run_id(inputs: RunInputs, claimed: str) -> None:
-    if claimed and claimed != inputs.run_id:
-        raise InvalidArgument(
-            f"run id {claimed} does not name these inputs: they make run {inputs.run_id}"
+@dataclass(frozen=True, slots=True)
+class AdmittedRun:
+    """A run as its admission entry (the first `run` entry with stage=admitted whose first
+    subject is the run id) says: the team it was admitted for, and that entry."""
+
+    run_id: str
+    team: str
+    entry: StoredEntry
+
+
+def _refuse_run_id(claimed: str, inputs: RunInputs, team: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"run id {claimed} does not name these inputs: expected a run of team {team!r} admitted "
+        f"on image {inputs.image}, dataset {inputs.dataset}, seed {inputs.seed}"
+        + (f", config {inputs.config}" if inputs.config else "")
+    )
+
+
+class Runs:
+    """The admitted runs as the ledger records them, for admission and for the pin path. A run's
+    admission entry never changes, so one found is kept."""
+
+    def __init__(self, ledger: Ledger, content: Content) -> None:
+        self.ledger = ledger
+        self.content = content
+        self._admitted: dict[str, AdmittedRun] = {}
+        self._inputs: dict[str, RunInputs] = {}
+
+    def admitted(self, run_id: str) -> AdmittedRun | None:
+        if (known := self._admitted.get(run_id)) is not None:
+            return known
+        for stored, _ in self.ledger.pins_of_kind(run_id, "run"):
+            entry = Entry.decode(stored.body)
+            if entry.subjects[0] == run_id and entry.meta.get("stage") == ADMITTED:
+                found = AdmittedRun(run_id, entry.meta.get(TEAM, ""), stored)
+                _remember(self._admitted, run_id, found)
+                return found
+        return None
+
+    def inputs_of(self, run_id: str) -> RunInputs:
+        """The run's inputs document, as stored under its run id."""
+        if (known := self._inputs.get(run_id)) is not None:
+            return known
+        blob = self.content.find(Digest.parse(run_id))
+        if blob is None:
+            raise FailedPrecondition(f"run {run_id} has no inputs document in the store")
+        _, chunks = self.content.read(blob)
+        inputs = RunInputs.decode(b"".join(bytes(chunk.data) for chunk in chunks))
+        if inputs.run_id != run_id:
+            raise IntegrityError(f"the inputs document stored as {run_id} is {inputs.run_id}")
+        _remember(self._inputs, run_id, inputs)
+        return inputs
+
+    def find(self, inputs: RunInputs, team: str) -> tuple[AdmittedRun, RunInputs] | None:
+        """The team's first admitted run of these inputs (a run admitted before run ids had a
+        nonce included), or None."""
+        subjects = tuple(dict.fromkeys(inputs.subjects))
+        for stored, _ in self.ledger.pins_of_kind(inputs.dataset, "run"):
+            entry = Entry.decode(stored.body)
+            if (
+                entry.meta.get("stage") == ADMITTED
+                and entry.meta.get(TEAM) == team
+                and entry.meta.get("seed") == str(inputs.seed)
+                and entry.subjects[1:] == subjects
+            ):
+                run = self.admitted(entry.subjects[0])
+                # Only a run's first admission entry makes it that team's.
+                if run is None or run.entry.index != stored.index:
+                    continue
+                full = self.inputs_of(run.run_id)
+                if full.bare == inputs:
+                    return run, full
+        return None
+
+    def replay_holder(self, run_id: str, team: str, replay: str) -> bool:
+        """Whether `team` holds (or held) the replay slot of `run_id` whose lease hashes to
+        `replay`: a replay by another team writes into the run under that lease."""
+        if not replay:
+            return False
+        rows = self.ledger.db.fetch(
+            "SELECT lease FROM replay_leases WHERE team = ? AND run_id = ?", (team, run_id)
         )
+        return any(replay_tag(lease) == replay for (lease,) in rows)
+
+    def writer_team(self, subjects: tuple[str, ...], meta: Mapping[str, str], who: Identity) -> str:
+        """The team a pin naming `subjects` is written for, when it names an admitted run; ""
+        when it names none. Refused unless the caller writes for the team each run was admitted
+        for, or holds a replay slot of it and the pin carries that replay's tag. `who` is the
+        caller's `Identity`: an authenticated caller writes for its own team only; the one local
+        user for the team it claims (meta `team`), by default the run's."""
+        runs = [run for s in dict.fromkeys(subjects) if (run := self.admitted(s)) is not None]
+        if not runs:
+            return ""
+        claimed = meta.get(TEAM, "")
+        if who.authenticated:
+            if claimed and claimed != who.team:
+                raise PermissionDenied(
+                    f"{who.name} belongs to team {who.team!r} and may not write for team "
+                    f"{claimed!r}"
+                )
+            team = who.team
+        else:
+            team = claimed or runs[0].team
+        for run in runs:
+            if team != run.team and not self.replay_holder(run.run_id, team, meta.get(REPLAY, "")):
+                raise PermissionDenied(
+                    f"run {run.run_id} was admitted for team {run.team!r}, and only that team "
+                    f"writes into it: {who.name} writes for team {team!r}"
+                )
+        return team
+
+
+def replay_tag(lease: str) -> str:
+    """What a replay's entries carry for its lease: its sha256, never the lease, which can
+    release the slot."""
+    return "sha256:" + hashlib.sha256(lease.encode()).hexdigest()
+
+
+def _remember(cache: dict[Any, Any], key: Any, value: Any) -> None:
+    if len(cache) >= _MAX_REMEMBERED:
+        cache.clear()
+    cache[key] = value
 
 
 def _an(word: str) -> str:
@@ -82,9 +208,11 @@ class Admitter:
         # are pinned only as external content.
         self._checked: dict[tuple[str, str], float] = {}
         self._external: set[tuple[str, str]] = set()
-        self._runs: dict[str, StoredEntry] = {}
-        # One server admits a new run once; across servers a second `run` pin of the same run
-        # id is harmless (the earlier index is the run's).
+        self.runs = Runs(ledger, content)
+        # (team, inputs without nonce) -> the team's run of them, once found.
+        self._found: dict[tuple[str, RunInputs], tuple[AdmittedRun, RunInputs]] = {}
+        # One server admits a team's new run once; servers sharing PostgreSQL also take an
+        # advisory lock (see _run_entry).
         self._new_run = threading.Lock()
         self._leases = Writer(ledger.db)
         self._leases_lock = threading.Lock()
@@ -97,16 +225,32 @@ class Admitter:
     def admit(
         self, inputs: RunInputs, *, team: str, author: str, run_id: str = "", replay_of: str = ""
     ) -> Admitted:
-        check_run_id(inputs, run_id)
+        """Admit a job on `inputs` (without nonce) for `team`: its team's run of these inputs,
+        made now (with a nonce of the vault's, so its run id was unknowable until now) if the
+        team has none. With `run_id`, that run, which must be the team's run of these inputs;
+        with `replay_of`, the run of that published manifest, and one of the team's slots."""
+        inputs = inputs.bare
         external = self.check_inputs(inputs)
-        lease = self._take_replay_slot(inputs, team, replay_of) if replay_of else ""
-        try:
-            entry, new = self._run_entry(inputs, team, author, external)
-        except BaseException:
-            if lease:
-                self.release_replay(lease, team)
-            raise
-        return Admitted(inputs, entry, new, team, lease)
+        if replay_of:
+            run, full, lease = self._replay(inputs, team, replay_of)
+            return Admitted(full, run.entry, False, team, lease)
+        if run_id:
+            run, full = self.claimed_run(inputs, team, run_id)
+            return Admitted(full, run.entry, False, team)
+        entry, full, new = self._run_entry(inputs, team, author, external)
+        return Admitted(full, entry, new, team)
+
+    def claimed_run(
+        self, inputs: RunInputs, team: str, run_id: str
+    ) -> tuple[AdmittedRun, RunInputs]:
+        """The run `run_id` names, refused unless it is the team's run of these inputs."""
+        run = self.runs.admitted(run_id)
+        if run is None or run.team != team:
+            raise _refuse_run_id(run_id, inputs, team)
+        full = self.runs.inputs_of(run_id)
+        if full.bare != inputs.bare:
+            raise _refuse_run_id(run_id, inputs, team)
+        return run, full
 
     @staticmethod
     def _roles(inputs: RunInputs) -> list[tuple[str, str]]:
@@ -115,15 +259,16 @@ class Admitter:
             roles.append(("config", inputs.config))
         return roles
 
-    def known_run(self, inputs: RunInputs) -> StoredEntry | None:
-        """The run's pin, when admitting it again needs no hashing and no append: the run is
-        pinned and every input was checked within the verify interval."""
+    def known_run(self, inputs: RunInputs, team: str) -> tuple[AdmittedRun, RunInputs] | None:
+        """The team's run of these inputs, when admitting it again needs no hashing and no
+        append: the run was found before and every input was checked within the verify
+        interval."""
         now = self._clock()
         for key in self._roles(inputs):
             checked = self._checked.get(key)
             if checked is None or now - checked >= self.policy.verify_interval:
                 return None
-        return self._existing_run(inputs.run_id)
+        return self._found.get((team, inputs.bare))
 
     def check_inputs(self, inputs: RunInputs) -> bool:
         """Refuse inputs that are not pinned, or whose content is missing or fails its check.
@@ -148,7 +293,7 @@ class Admitter:
             else:
                 self._external.discard((role, digest))
                 self._check_content(role, digest)
-            self._remember(self._checked, (role, digest), now)
+            _remember(self._checked, (role, digest), now)
         return external
 
     def _check_content(self, role: str, digest: str) -> None:
@@ -168,12 +313,6 @@ class Admitter:
         if role == "dataset":
             self._check_dataset_files(digest, blob.info.size)
 
-    @staticmethod
-    def _remember(cache: dict[Any, Any], key: Any, value: Any) -> None:
-        if len(cache) >= _MAX_REMEMBERED:
-            cache.clear()
-        cache[key] = value
-
     def _check_dataset_files(self, digest: str, size: int) -> None:
         if size > MAX_MANIFEST_BYTES:
             raise InvalidArgument(f"dataset {digest} is {size} bytes, too large for a manifest")
@@ -191,55 +330,85 @@ class Admitter:
                 f"files' content (first: {first})"
             )
 
-    def _existing_run(self, run_id: str) -> StoredEntry | None:
-        if (known := self._runs.get(run_id)) is not None:
-            return known  # entries never change, so a run's pin, once found, is kept
-        for stored, _ in self.ledger.pins_of_kind(run_id, "run"):
-            entry = Entry.decode(stored.body)
-            if entry.subjects[0] == run_id and entry.meta.get("stage") == ADMITTED:
-                self._remember(self._runs, run_id, stored)
-                return stored
-        return None
+    def _find(self, inputs: RunInputs, team: str) -> tuple[AdmittedRun, RunInputs] | None:
+        if (known := self._found.get((team, inputs))) is not None:
+            return known
+        found = self.runs.find(inputs, team)
+        if found is not None:
+            _remember(self._found, (team, inputs), found)
+        return found
 
     def _run_entry(
         self, inputs: RunInputs, team: str, author: str, external: bool
-    ) -> tuple[StoredEntry, bool]:
-        run_id = inputs.run_id
-        if (found := self._existing_run(run_id)) is not None:
-            return found, False
-        with self._new_run:
-            if (found := self._existing_run(run_id)) is not None:
-                return found, False
+    ) -> tuple[StoredEntry, RunInputs, bool]:
+        if (found := self._find(inputs, team)) is not None:
+            return found[0].entry, found[1], False
+        with self._new_run, self._across_servers(f"run {team} {inputs.run_id}"):
+            if (found := self._find(inputs, team)) is not None:
+                return found[0].entry, found[1], False
+            # The vault's nonce makes the run id: nobody could name this run before now.
+            full = inputs.with_nonce(secrets.token_hex(NONCE_HEX // 2))
+            run_id = full.run_id
             # The inputs document is stored first, so the run id names a blob anyone can read.
-            self.content.put([inputs.encode()], Digest.parse(run_id))
+            self.content.put([full.encode()], Digest.parse(run_id))
             spec = PinSpec.checked(
                 kind="run",
                 subjects=list(dict.fromkeys((run_id, *inputs.subjects))),
                 author=author,
-                meta={"stage": ADMITTED, "seed": str(inputs.seed), "team": team},
+                meta={"stage": ADMITTED, "seed": str(inputs.seed), TEAM: team},
                 external=external,
             )
             (entry,) = self.ledger.append([spec])
-            return entry, True
+            _remember(self._found, (team, inputs), (AdmittedRun(run_id, team, entry), full))
+            return entry, full, True
+
+    @contextlib.contextmanager
+    def _across_servers(self, key: str) -> Iterator[None]:
+        """Servers sharing one PostgreSQL make a team's run of some inputs once: an advisory
+        lock, held until the run's entry is appended, so that the next server finds it. (On
+        SQLite one server owns the ledger, and a transaction here would block the append.)"""
+        if self.ledger.db.is_sqlite:
+            yield
+            return
+        with self._leases_lock, self._leases.begin() as tx:
+            tx.run("SELECT pg_advisory_xact_lock(?)", (zlib.crc32(key.encode()),))
+            yield
 
     # ------------------------------------------------------------------ replays
 
-    def _take_replay_slot(self, inputs: RunInputs, team: str, manifest: str) -> str:
+    def _replay(
+        self, inputs: RunInputs, team: str, manifest: str
+    ) -> tuple[AdmittedRun, RunInputs, str]:
+        """The run a published manifest is of, which must be a run of these inputs and sealed by
+        the team that run was admitted for, and a replay slot of `team`'s for it."""
         manifest = str(Digest.parse(manifest))
-        published = [Entry.decode(e.body) for e in self.ledger.entries_for([manifest])[manifest]]
-        runs = {
-            s
-            for e in published
-            if e.kind == "run" and e.meta.get("stage") == MANIFEST
-            for s in e.subjects[1:]
-        }
+        published = [
+            entry
+            for stored in self.ledger.pins_of_kind(manifest, "run")
+            if (entry := Entry.decode(stored[0].body)).meta.get("stage") == MANIFEST
+            and entry.subjects[0] == manifest
+        ]
+        runs = sorted({s for e in published for s in e.subjects[1:]})
         if not runs:
             raise FailedPrecondition(f"{manifest} is not a published run manifest")
-        if inputs.run_id not in runs:
-            raise InvalidArgument(
-                f"run manifest {manifest} is of run {min(runs)}, not of these inputs' run "
-                f"{inputs.run_id}"
-            )
+        for run_id in runs:
+            run = self.runs.admitted(run_id)
+            if run is None or self.runs.inputs_of(run_id).bare != inputs:
+                continue
+            sealed = [e for e in published if run_id in e.subjects[1:]]
+            if not any(e.meta.get(TEAM) == run.team for e in sealed):
+                first = sealed[0]
+                raise PermissionDenied(
+                    f"run manifest {manifest} was pinned by {first.author} (team "
+                    f"{first.meta.get(TEAM) or 'not recorded'}), not by team {run.team!r}, which "
+                    f"run {run_id} was admitted for: only a run's own team seals its manifest"
+                )
+            return run, self.runs.inputs_of(run_id), self._take_replay_slot(run_id, team, manifest)
+        raise InvalidArgument(
+            f"run manifest {manifest} is of run {runs[0]}, not of a run admitted on these inputs"
+        )
+
+    def _take_replay_slot(self, run_id: str, team: str, manifest: str) -> str:
         limit = self.policy.replays_per_team
         lease = secrets.token_hex(16)
         now = time.time()
@@ -261,7 +430,7 @@ class Admitter:
             tx.run(
                 "INSERT INTO replay_leases (lease, team, run_id, manifest, started, expires) "
                 "VALUES (?, ?, ?, ?, ?, ?)",
-                (lease, team, inputs.run_id, manifest, now, now + self.policy.replay_lease),
+                (lease, team, run_id, manifest, now, now + self.policy.replay_lease),
             )
         return lease
 

@@ -7,7 +7,7 @@ import asyncio
 
 from vault.errors import InvalidArgument
 from vault.ledger.runid import RunInputs
-from vault.server.admission import Admitted, Admitter, check_run_id
+from vault.server.admission import Admitted, Admitter
 from vault.server.auth import caller
 from vault.server.edge import Service, unary, unary_async
 from vault.server.ledger_service import LedgerService
@@ -31,10 +31,12 @@ class AdmissionService(Service, rpc.AdmissionServicer):
         # The scheduler's usual question, a run admitted before on recently checked inputs, is
         # answered from memory on the loop; re-hashing content or appending waits on a thread.
         if self.inline and not request.replay_of:
-            check_run_id(inputs, request.run_id)
-            if (known := self.admitter.known_run(inputs)) is not None:
-                team = _team(caller().team_for(request.team))
-                return self._answer(request, Admitted(inputs, known, new=False, team=team))
+            team = _team(caller().team_for(request.team))
+            known = self.admitter.known_run(inputs, team)
+            # A run id other than the known run's is refused, or found, by the full check.
+            if known is not None and request.run_id in ("", known[0].run_id):
+                run, full = known
+                return self._answer(request, Admitted(full, run.entry, new=False, team=team))
         return await asyncio.to_thread(self._admit, request, inputs)
 
     def _admit(self, request: pb.AdmitRequest, inputs: RunInputs) -> pb.AdmitResponse:

@@ -8,8 +8,16 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 from vault.digest import Digest, check_digest
-from vault.errors import FailedPrecondition, InvalidArgument, NotFound, VaultError
-from vault.ledger.log import Ledger, LogFilter, PinSpec, SignedCheckpoint, StoredEntry
+from vault.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    VaultError,
+)
+from vault.ledger.log import Ledger
+from vault.ledger.records import LogFilter, PinSpec, SignedCheckpoint, StoredEntry
+from vault.server.admission import ADMITTED, TEAM, Runs
 from vault.server.auth import Identity, caller
 from vault.server.content import Content
 from vault.server.edge import Service, streaming, unary, unary_async
@@ -35,6 +43,7 @@ class LedgerService(Service, rpc.LedgerServicer):
         self.ledger = ledger
         self.content = content
         self.inline = ledger.db.is_sqlite
+        self.runs = Runs(ledger, content)
 
     def _spec(self, request: pb.PinRequest, who: Identity) -> PinSpec:
         spec = PinSpec.checked(
@@ -44,20 +53,32 @@ class LedgerService(Service, rpc.LedgerServicer):
             meta=dict(request.meta) if request.meta else None,
             external=request.external,
         )
-        if spec.external:
-            return spec
-        subjects = []
+        if spec.kind == "run" and spec.meta.get("stage") == ADMITTED:
+            raise PermissionDenied(
+                f"a `run` entry with stage={ADMITTED} is an admission record, which only "
+                "admission writes (vault admit, vault run, the scheduler): "
+                f"{who.name} pinned one"
+            )
+        subjects, named = [], []
         for subject in spec.subjects:
             found = self.content.find(Digest.parse(subject))
-            if found is None:
+            if found is None and not spec.external:
                 raise FailedPrecondition(
                     f"blob {subject} is not in the store: put it first, or pin it as external "
                     "content kept elsewhere"
                 )
-            subjects.append(str(found.info.sha256))
+            sha256 = subject if found is None else str(found.info.sha256)
+            # A stored blob is pinned by its sha256; external content keeps the name given.
+            subjects.append(subject if spec.external else sha256)
+            named.append(sha256)
         if len(set(subjects)) != len(subjects):
             raise InvalidArgument("the same blob is named twice (by sha256 and blake3)")
-        return PinSpec(spec.kind, tuple(subjects), spec.author, spec.meta, spec.external)
+        # A pin that names a run (by its run id, or an alias of it) is written for the run's
+        # team, which the vault records itself from the caller's credential; anyone else is
+        # refused (Runs.writer_team).
+        team = self.runs.writer_team(tuple(named), spec.meta, who)
+        meta = {**spec.meta, TEAM: team} if team else spec.meta
+        return PinSpec(spec.kind, tuple(subjects), spec.author, meta, spec.external)
 
     def _specs(self, pins: Sequence[pb.PinRequest]) -> list[PinSpec]:
         who = caller()
