@@ -15,7 +15,7 @@ from cli.access import add_access_commands
 from cli.agent import add_agent_commands
 from cli.dataset import add_dataset_commands
 from cli.mirror import add_mirror_commands
-from cli.output import error_line, print_json
+from cli.output import error_line, print_json, shown
 from cli.progress import Progress
 from cli.run import add_run_commands
 from cli.serve import add_serve_command, create_token_offline
@@ -59,7 +59,7 @@ def _entry_dict(entry: Entry) -> dict[str, Any]:
 def _entry_line(entry: Entry) -> str:
     meta = " ".join(f"{k}={v}" for k, v in entry.meta.items())
     external = " (external)" if entry.external else ""
-    return (
+    return shown(
         f"{entry.index:>8}  {entry.time}  {entry.kind:<10} {' '.join(entry.subjects)}{external}"
         f"  by {entry.author}" + (f"  {meta}" if meta else "")
     )
@@ -99,11 +99,8 @@ def cmd_get(args: argparse.Namespace, config: Config) -> int:
     with _client(config) as client:
         if args.output and args.output != "-":
             stat = client.stat(args.digest) if not args.json else None
-            total = (
-                args.length
-                if args.length is not None
-                else (stat.blob.size - args.offset if stat else None)
-            )
+            # A range is verified as part of the whole blob, which is what is fetched.
+            total = stat.blob.size if stat else None
             bar = Progress(f"get {args.digest[:19]}…", total) if not args.json else None
             try:
                 info = client.get(
@@ -115,11 +112,9 @@ def cmd_get(args: argparse.Namespace, config: Config) -> int:
             if args.json:
                 print_json({"path": args.output, **_blob_dict(info)})
             return 0
-        reader = client.open(args.digest, offset=args.offset, length=args.length)
-        out = sys.stdout.buffer
-        for piece in reader.chunks():
-            out.write(piece)
-        out.flush()
+        # Standard output cannot take bytes back: nothing is written before all is verified.
+        sys.stdout.flush()
+        client.copy_to(args.digest, sys.stdout.fileno(), offset=args.offset, length=args.length)
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Final
 
 from vault.errors import (
@@ -16,6 +17,7 @@ from vault.errors import (
     Unavailable,
     VaultError,
 )
+from vault.ledger.entry import UNSAFE_TEXT
 
 # The status a user is told: the one the server answered with, or the one it would give the
 # same error found before any request. A failed proof or signature check (VerificationError)
@@ -34,7 +36,7 @@ _STATUS: Final = (
 
 def error_line(exc: VaultError) -> str:
     """The one line the command prints for an error: its status, if any, and its message."""
-    message = " ".join(str(exc).split())
+    message = shown(" ".join(str(exc).split()))
     for kind, status in _STATUS:
         if isinstance(exc, kind):
             return f"{status}: {message}"
@@ -43,3 +45,13 @@ def error_line(exc: VaultError) -> str:
 
 def print_json(value: Any) -> None:
     print(json.dumps(value, ensure_ascii=False))
+
+
+_UNSAFE = re.compile(f"[{UNSAFE_TEXT}]")
+
+
+def shown(text: str) -> str:
+    """`text` as a terminal line may show it: every character that could move the cursor,
+    start a line or reorder what follows (see vault.ledger.entry.UNSAFE_TEXT) written as an
+    escape, so that nothing a writer or a server put in an entry passes for other output."""
+    return _UNSAFE.sub(lambda m: f"\\u{{{ord(m.group()):04x}}}", text)

@@ -1,6 +1,7 @@
 """Text a writer puts in an entry cannot pass for other output: metadata with control
 characters, line or paragraph separators or bidirectional controls is refused by the real
-server (and nothing is appended), through the client and through the command."""
+server (and nothing is appended), through the client and through the command; and such text
+stored by an earlier release is shown escaped."""
 
 from __future__ import annotations
 
@@ -8,8 +9,15 @@ import hashlib
 
 import pytest
 
+from tests.conftest import StartVault
 from tests.services.vault_server import VaultServer
 from vault.errors import InvalidArgument, NotFound
+from vault.ledger.checkpoint import SigningKey
+from vault.ledger.db import open_database
+from vault.ledger.log import Ledger, PinSpec
+
+ORIGIN = "text.test/ledger"
+ENV = {"PINVAULT_LEDGER_ORIGIN": ORIGIN}
 
 # A newline that would print a forged entry line under the real one in `vault log`, and the
 # other characters that rewrite what a terminal or a page shows.
@@ -65,3 +73,35 @@ def test_plain_text_in_any_script_is_kept(vault_server: VaultServer) -> None:
     with vault_server.client() as client:
         entry = client.pin("config", _subject("plain"), meta={"note": value}, external=True)
         assert entry.entry.meta["note"] == value
+
+
+def test_text_an_earlier_release_stored_is_shown_escaped(start_vault: StartVault) -> None:
+    """An entry appended before values were checked (as pinvault 0.1 did, or as a hostile
+    server sends) still verifies, and `vault log` and `vault lookup` show its odd characters
+    escaped, one entry a line, never as a forged line or a terminal control."""
+    server = start_vault(env=ENV)
+    with server.client() as client:
+        client.pin("config", _subject("before"), external=True)
+    assert server.stop() == 0
+    db = open_database(f"sqlite:///{server.db_path}")
+    ledger = Ledger(db, SigningKey.load(server.data_dir / "checkpoint.key"), origin=ORIGIN)
+    unchecked = PinSpec(
+        kind="config",
+        subjects=(_subject("old"),),
+        author="old-release",
+        meta={"note": HOSTILE_VALUES["newline"] + HOSTILE_VALUES["escape sequence"]},
+        external=True,
+    )
+    ledger.append([unchecked])
+    ledger.close()
+    db.dispose()
+    server.restart()
+
+    log = server.run("log").ok()
+    lines = log.stdout.splitlines()
+    assert len([line for line in lines if line.strip()]) == 2, log.describe()
+    assert "\x1b" not in log.stdout and "sha256:forged" in lines[1]
+    assert "ok\\u{000a}     7  2026-01-01" in lines[1] and "\\u{001b}[2J" in lines[1]
+    found = server.run("lookup", _subject("old")).ok()
+    assert "\n     7  2026" not in found.stdout and "\\u{000a}" in found.stdout
+    assert "ledger OK" in server.run("verify").ok().stdout

@@ -1,7 +1,10 @@
 """Checking entries the vault proves against a checkpoint the client has verified: each entry's
-inclusion in its tree, and that it is the entry its index says. No I/O here."""
+inclusion in its tree, that it is the entry its index says, and that it is about the digest
+asked for. No I/O here."""
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 from vault.client.results import ProvenEntry
 from vault.errors import VerificationError
@@ -33,3 +36,20 @@ def check_proven(proven: pb.ProvenEntry, checkpoint: Checkpoint) -> ProvenEntry:
             index=proven.entry.index,
         )
     return ProvenEntry(entry, leaf, path, checkpoint)
+
+
+def names_any(names: Collection[str], proven: ProvenEntry) -> bool:
+    """Whether a proved entry names one of `names` (the digest asked for, and any digest the
+    client itself tied to it) among its subjects, as its verified, decoded body says."""
+    return not set(names).isdisjoint(proven.entry.subjects)
+
+
+def not_about(wanted: str, proven: ProvenEntry, tied: str | None = None) -> VerificationError:
+    """The error for a proved entry that does not name the digest asked for."""
+    entry = proven.entry
+    alias = f" (whose bytes the client hashed to {tied})" if tied else ""
+    return VerificationError(
+        f"asked for entries naming {wanted}{alias}, the vault answered entry {entry.index} "
+        f"naming {', '.join(entry.subjects)}",
+        index=entry.index,
+    )

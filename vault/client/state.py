@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,9 @@ class StateFile:
     @contextlib.contextmanager
     def locked(self) -> Iterator[dict[str, Any]]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_suffix(".lock"), "a") as lock:
+        # O_NOFOLLOW: a symlink planted in place of the lock file is refused, not opened.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+        with os.fdopen(os.open(self.path.with_suffix(".lock"), flags, 0o600), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 state: dict[str, Any] = {}
@@ -43,14 +46,26 @@ class StateFile:
                 before = dict(state)
                 yield state
                 if state != before:
-                    tmp = self.path.with_suffix(".tmp")
-                    with open(tmp, "w") as f:
-                        json.dump(state, f, indent=1, sort_keys=True)
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.replace(tmp, self.path)
+                    self._write(state)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _write(self, state: dict[str, Any]) -> None:
+        """Replace the state file atomically, through a new file of a random name (O_EXCL|
+        O_NOFOLLOW, mode 0600: nothing planted beside it is followed), removed on failure."""
+        tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(8)}.tmp")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(state, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
 
 
 class TrustState:

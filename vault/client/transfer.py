@@ -5,8 +5,12 @@ and checks the vault stored exactly that."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import io
 import os
+import secrets
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -205,13 +209,59 @@ class Transfer:
         self, digest: str, *, offset: int = 0, length: int | None = None, check_chunks: bool = True
     ) -> BlobReader:
         wanted = Digest.parse(digest)
-        request = pb.GetRequest(digest=str(wanted), offset=offset)
-        if length is not None:
-            request.length = length
+        if offset == 0 and length is None:
+            with rpc_errors():
+                return BlobReader(
+                    self._store.Get(pb.GetRequest(digest=str(wanted)), timeout=self._timeout),
+                    wanted,
+                    check_chunks=check_chunks,
+                )
+        # A range is checked by the server's chunk list only, which nothing signed binds to the
+        # digest: the whole blob is fetched into a private spool file and verified first.
+        spool = _anonymous_file(spool_folder())
+        try:
+            info, start, count = self._fetch(wanted, spool, offset=offset, length=length)
+        except BaseException:
+            os.close(spool)
+            raise
+        return BlobReader(_spooled(spool, info, start, count), wanted)
+
+    def copy_to(
+        self,
+        digest: str,
+        out: int,
+        *,
+        offset: int = 0,
+        length: int | None = None,
+        spool: str | os.PathLike[str] | None = None,
+    ) -> BlobInfo:
+        """Write a verified blob (or range) to the descriptor `out` (standard output), which
+        cannot take back what it was given: the whole blob is first fetched into an unlinked
+        file in `spool` (default: the user's cache folder) and its digest checked, and only
+        then is any of it copied to `out`."""
+        wanted = Digest.parse(digest)
+        fd = _anonymous_file(Path(spool) if spool is not None else spool_folder())
+        try:
+            info, start, count = self._fetch(wanted, fd, offset=offset, length=length)
+            _copy_out(fd, out, start, count)
+        finally:
+            os.close(fd)
+        return info
+
+    def sha256_of(self, digest: Digest) -> Digest:
+        """The SHA-256 of the blob named by a blake3 digest, from its bytes: fetched, hashed,
+        and verified against `digest` itself (the only way to tie an alias to its blob)."""
+        sha = hashlib.sha256()
         with rpc_errors():
-            return BlobReader(
-                self._store.Get(request, timeout=self._timeout), wanted, check_chunks=check_chunks
+            reader = BlobReader(
+                self._store.Get(pb.GetRequest(digest=str(digest)), timeout=self._timeout),
+                digest,
+                check_chunks=False,
             )
+        for piece in reader.chunks():
+            sha.update(piece)
+        # chunks() ended, so the whole digest matched.
+        return Digest.sha256(sha.digest())
 
     def get(
         self,
@@ -228,46 +278,220 @@ class Transfer:
             raise InvalidArgument(f"cannot write {target}: it is a folder")
         whole = offset == 0 and length is None
         if handoff and not whole:
-            raise InvalidArgument("a range cannot be handed off: it streams")
+            raise InvalidArgument(
+                "a range cannot be handed off: the whole blob is fetched and verified first"
+            )
         wanted = Digest.parse(digest)
-        tmp = target.with_name(f".{target.name}.pinvault-partial")
+        fd, partial = _create_partial(target)
+        renamed = False
         try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+            if whole:
+                info, _, _ = self._fetch(wanted, fd, handoff=handoff, progress=progress)
+            else:
+                # The range is verified only as part of the whole blob (see `open`), spooled
+                # beside the target, on its file system.
+                spool = _anonymous_file(target.parent)
+                try:
+                    info, start, count = self._fetch(
+                        wanted,
+                        spool,
+                        offset=offset,
+                        length=length,
+                        handoff=handoff,
+                        progress=progress,
+                    )
+                    _copy_out(spool, fd, start, count)
+                finally:
+                    os.close(spool)
+            os.fchmod(fd, _new_file_mode())
+            _check_still_ours(fd, partial)
+            os.replace(partial, target)
+            renamed = True
+        finally:
+            if not renamed:
+                _remove_if_ours(fd, partial)
+            os.close(fd)
+        return info
+
+    def _fetch(
+        self,
+        wanted: Digest,
+        fd: int,
+        *,
+        offset: int = 0,
+        length: int | None = None,
+        handoff: bool | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> tuple[BlobInfo, int, int]:
+        """Write the whole blob `wanted` into the empty file `fd` and check its digest; the
+        blob's description and the start and length of [offset, offset + length) in it, which
+        is refused as soon as the blob's size is known if it reaches beyond the end.
+
+        A client on the vault's own host hands the file to the server, which writes each chunk
+        into it (vault.client.handoff); the client checks the whole digest of what it reads
+        back. `handoff=False` streams; `handoff=True` fails if the handoff cannot be had."""
+        ticket = None
+        if handoff is not False:
+            ticket = self._hand_off(fd, "write", required=bool(handoff))
+        request = pb.GetRequest(digest=str(wanted), handoff=ticket or "")
+        with rpc_errors():
+            # Nothing of `fd` is handed on before the whole digest matched, so per-chunk checks
+            # add nothing.
+            reader = BlobReader(
+                self._store.Get(request, timeout=self._timeout),
+                wanted,
+                check_chunks=False,
+                handed_off=fd if ticket else None,
+            )
+        info = reader.info
+        start, count = _range_of(info, offset, length)
+        for piece in reader.chunks():
+            if not ticket:
+                write_all(fd, piece)
+            if progress:
+                progress(len(piece))
+        if ticket and os.fstat(fd).st_size != info.size:
+            raise IntegrityError(f"{wanted}: the server wrote past the end of the blob")
+        return info, start, count
+
+
+def spool_folder() -> Path:
+    """Where a blob bound for standard output waits, unlinked, until its digest is checked: the
+    user's own cache folder (on disk, unlike a /tmp that may be memory), else the temp folder."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    folder = Path(base) / "pinvault"
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        return Path(tempfile.gettempdir())
+    return folder
+
+
+def _range_of(info: BlobInfo, offset: int, length: int | None) -> tuple[int, int]:
+    """[offset, offset + length) of the blob as (start, count), refused beyond its end."""
+    if offset < 0 or (length is not None and length < 0):
+        raise InvalidArgument(f"negative offset or length ({offset}, {length}) for {info.sha256}")
+    if offset > info.size:
+        raise InvalidArgument(
+            f"offset {offset} is beyond the end of {info.sha256} ({info.size} bytes)"
+        )
+    if length is None:
+        return offset, info.size - offset
+    if offset + length > info.size:
+        raise InvalidArgument(
+            f"range {offset}+{length} is beyond the end of {info.sha256} ({info.size} bytes)"
+        )
+    return offset, length
+
+
+def _create_partial(target: Path) -> tuple[int, Path]:
+    """A new, empty file (mode 0600) of a random name beside `target`, for its bytes until they
+    are verified. O_EXCL|O_NOFOLLOW: a name planted in the folder (a symlink to a file of the
+    user's) is never followed nor reused."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(16):
+        partial = target.with_name(f".{target.name}.pinvault-partial-{secrets.token_hex(8)}")
+        try:
+            return os.open(partial, flags, 0o600), partial
+        except FileExistsError:
+            continue
         except OSError as exc:
             raise InvalidArgument(f"cannot write {target}: {exc.strerror}") from None
-        try:
-            try:
-                ticket = None
-                if whole and handoff is not False:
-                    ticket = self._hand_off(fd, "write", required=bool(handoff))
-                request = pb.GetRequest(digest=str(wanted), offset=offset, handoff=ticket or "")
-                if length is not None:
-                    request.length = length
-                with rpc_errors():
-                    # The file appears only once the whole digest matched, so per-chunk checks
-                    # add nothing.
-                    reader = BlobReader(
-                        self._store.Get(request, timeout=self._timeout),
-                        wanted,
-                        check_chunks=False,
-                        handed_off=fd if ticket else None,
-                    )
-                for piece in reader.chunks():
-                    if not ticket:
-                        write_all(fd, piece)
-                    if progress:
-                        progress(len(piece))
-                if ticket and os.fstat(fd).st_size != reader.info.size:
-                    raise IntegrityError(
-                        f"{wanted}: the server wrote past the end of the blob into {target}"
-                    )
-            finally:
-                os.close(fd)
-            os.replace(tmp, target)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        return reader.info
+    raise InvalidArgument(f"cannot write {target}: no unused name for its partial file")
+
+
+def _anonymous_file(folder: Path) -> int:
+    """A private file with no name (O_TMPFILE, or a random name unlinked at once) in `folder`:
+    nothing else can open it, and it disappears with its last descriptor."""
+    try:
+        return os.open(folder, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise InvalidArgument(f"cannot write in {folder}: {exc.strerror}") from None
+    fd, partial = _create_partial(folder / "spool")
+    _remove_if_ours(fd, partial)
+    return fd
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        named = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _check_still_ours(fd: int, partial: Path) -> None:
+    if not _same_file(fd, partial):
+        raise InvalidArgument(f"{partial} was replaced while the blob was written into it")
+
+
+def _remove_if_ours(fd: int, partial: Path) -> None:
+    """Unlink `partial` only if the name still holds the file this client created."""
+    if _same_file(fd, partial):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+
+
+def _new_file_mode() -> int:
+    """The mode a file the user creates would have (0666 less the umask, read without changing
+    it); 0600 when the umask cannot be read."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o600
+
+
+def _copy_out(source: int, out: int, start: int, count: int) -> None:
+    """Copy `count` bytes of the file `source` from `start` to the descriptor `out`."""
+    position, end = start, start + count
+    try:
+        while position < end:
+            sent = os.sendfile(out, source, position, min(end - position, 1 << 30))
+            if sent == 0:
+                raise IntegrityError(f"the spooled blob ended at byte {position}, before {end}")
+            position += sent
+        return
+    except OSError as exc:
+        # Some outputs (a file opened for appending, some terminals) take no sendfile.
+        if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EBADF) or position != start:
+            raise
+    while position < end:
+        data = os.pread(source, min(end - position, 8 << 20), position)
+        if not data:
+            raise IntegrityError(f"the spooled blob ended at byte {position}, before {end}")
+        write_all(out, data)
+        position += len(data)
+
+
+def _spooled(fd: int, info: BlobInfo, start: int, count: int) -> Iterator[pb.GetResponse]:
+    """A verified, spooled blob's range as the answer to a Get of that range would give it;
+    the spool file is closed once it has all been read (or the reader is dropped)."""
+    try:
+        chunk_size = PUT_CHUNK
+        header = pb.GetHeader(chunk_size=chunk_size, offset=start, length=count)
+        header.blob.CopyFrom(
+            pb.BlobInfo(
+                sha256=str(info.sha256),
+                blake3=str(info.blake3),
+                size=info.size,
+                stored_at=info.stored_at,
+            )
+        )
+        yield pb.GetResponse(header=header)
+        position = start - start % chunk_size
+        while position < start + count:
+            data = os.pread(fd, min(chunk_size, info.size - position), position)
+            chunk = pb.Chunk(offset=position, data=data, hash=blake3.blake3(data).digest())
+            yield pb.GetResponse(chunk=chunk)
+            position += len(data)
+    finally:
+        os.close(fd)
 
 
 def _stored(response: pb.PutResponse, sent_blake3: bytes) -> PutResult:
