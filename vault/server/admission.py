@@ -28,9 +28,9 @@ from vault.ledger.db import Writer
 from vault.ledger.entry import Entry
 from vault.ledger.log import Ledger
 from vault.ledger.records import PinSpec, StoredEntry
-from vault.ledger.runid import NONCE_HEX, RunInputs
+from vault.ledger.runid import MAX_INPUTS_BYTES, NONCE_HEX, RunInputs
 from vault.server.auth import Identity
-from vault.server.content import Content
+from vault.server.content import Content, StoredBlob
 from vault.store.manifest import MAX_MANIFEST_BYTES, decode_manifest
 
 ADMITTED: Final = "admitted"
@@ -90,6 +90,24 @@ class Runs:
         self.content = content
         self._admitted: dict[str, AdmittedRun] = {}
         self._inputs: dict[str, RunInputs] = {}
+        self._run_shaped: dict[str, bool] = {}
+
+    def could_be_run(self, blob: StoredBlob) -> bool:
+        """Whether a stored blob is a run inputs document, so that its digest may be a run id.
+        Nothing else can be (a run id is the digest of one), and bytes never change, so the
+        answer is kept: a pin naming a digest many entries name pays for no query of them."""
+        digest = str(blob.info.sha256)
+        if (known := self._run_shaped.get(digest)) is not None:
+            return known
+        shaped = blob.info.size <= MAX_INPUTS_BYTES
+        if shaped:
+            _, chunks = self.content.read(blob)
+            try:
+                RunInputs.decode(b"".join(bytes(chunk.data) for chunk in chunks))
+            except InvalidArgument:
+                shaped = False
+        _remember(self._run_shaped, digest, shaped)
+        return shaped
 
     def admitted(self, run_id: str) -> AdmittedRun | None:
         if (known := self._admitted.get(run_id)) is not None:

@@ -137,7 +137,7 @@ class Content:
         # Blobs the store already held are recorded too: a crash may have come between a
         # put's store commit and its catalog commit.
         self._catalogue.record_many(infos, datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
-        found = self._find_many([info.sha256 for info in infos])
+        found = self.find_many([info.sha256 for info in infos])
         return [
             result if isinstance(result, IntegrityError) else (found[result[0].sha256], result[1])
             for result in results
@@ -156,7 +156,7 @@ class Content:
 
     _FIND_MANY = "SELECT sha256, blake3, size, stored_at FROM blobs WHERE sha256 IN ({})"
 
-    def _find_many(self, sha256s: list[Digest]) -> dict[Digest, StoredBlob]:
+    def find_many(self, sha256s: list[Digest]) -> dict[Digest, StoredBlob]:
         """The catalogued blobs among these sha256 digests, by digest."""
         found: dict[Digest, StoredBlob] = {}
         unique = list(dict.fromkeys(str(d) for d in sha256s))

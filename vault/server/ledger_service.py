@@ -4,7 +4,8 @@ checkpoints an auditor re-derives."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 from vault.digest import Digest, check_digest
@@ -19,7 +20,7 @@ from vault.ledger.log import Ledger
 from vault.ledger.records import LogFilter, PinSpec, SignedCheckpoint, StoredEntry
 from vault.server.admission import ADMITTED, TEAM, Runs
 from vault.server.auth import Identity, caller
-from vault.server.content import Content
+from vault.server.content import Content, StoredBlob
 from vault.server.edge import Service, streaming, unary, unary_async
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
@@ -45,7 +46,9 @@ class LedgerService(Service, rpc.LedgerServicer):
         self.inline = ledger.db.is_sqlite
         self.runs = Runs(ledger, content)
 
-    def _spec(self, request: pb.PinRequest, who: Identity) -> PinSpec:
+    def _spec(
+        self, request: pb.PinRequest, who: Identity, stored: Mapping[str, StoredBlob]
+    ) -> PinSpec:
         spec = PinSpec.checked(
             kind=request.kind,
             subjects=request.subjects,
@@ -59,9 +62,13 @@ class LedgerService(Service, rpc.LedgerServicer):
                 "admission writes (vault admit, vault run, the scheduler): "
                 f"{who.name} pinned one"
             )
-        subjects, named = [], []
+        subjects, runs = [], []
         for subject in spec.subjects:
-            found = self.content.find(Digest.parse(subject))
+            found = (
+                stored.get(subject)
+                if subject.startswith("sha256:")
+                else self.content.find(Digest.parse(subject))
+            )
             if found is None and not spec.external:
                 raise FailedPrecondition(
                     f"blob {subject} is not in the store: put it first, or pin it as external "
@@ -70,22 +77,33 @@ class LedgerService(Service, rpc.LedgerServicer):
             sha256 = subject if found is None else str(found.info.sha256)
             # A stored blob is pinned by its sha256; external content keeps the name given.
             subjects.append(subject if spec.external else sha256)
-            named.append(sha256)
+            # Only a stored run inputs document's digest can be a run id.
+            if found is not None and self.runs.could_be_run(found):
+                runs.append(sha256)
         if len(set(subjects)) != len(subjects):
             raise InvalidArgument("the same blob is named twice (by sha256 and blake3)")
         # A pin that names a run (by its run id, or an alias of it) is written for the run's
         # team, which the vault records itself from the caller's credential; anyone else is
         # refused (Runs.writer_team).
-        team = self.runs.writer_team(tuple(named), spec.meta, who)
+        team = self.runs.writer_team(tuple(runs), spec.meta, who)
         meta = {**spec.meta, TEAM: team} if team else spec.meta
         return PinSpec(spec.kind, tuple(subjects), spec.author, meta, spec.external)
 
     def _specs(self, pins: Sequence[pb.PinRequest]) -> list[PinSpec]:
         who = caller()
+        # One query for the whole batch's stored blobs, not one a subject; a malformed subject
+        # is left for its pin's own check to name.
+        named = []
+        for pin in pins:
+            for subject in pin.subjects:
+                if subject.startswith("sha256:"):
+                    with contextlib.suppress(InvalidArgument):
+                        named.append(Digest.parse(subject))
+        stored = {str(d): blob for d, blob in self.content.find_many(named).items()}
         specs = []
         for number, pin in enumerate(pins):
             try:
-                specs.append(self._spec(pin, who))
+                specs.append(self._spec(pin, who, stored))
             except VaultError as exc:
                 if len(pins) == 1:
                     raise
