@@ -204,7 +204,8 @@ def test_local_mode_asks_for_nothing(vault_server: VaultServer) -> None:
 
 def keys(tmp_path: Path) -> Path:
     folder = tmp_path / "keys"
-    run_vault("keys", "init", str(folder), state_home=tmp_path).ok()
+    # 0.0.0.0 too: the address a server listening on every interface reports.
+    run_vault("keys", "init", str(folder), "--host", "0.0.0.0", state_home=tmp_path).ok()
     for name, team, role in [("dana", "vision", "writer"), ("sam", "ops", "reader")]:
         run_vault(
             "keys",
@@ -278,3 +279,69 @@ def test_mutual_tls_names_the_caller_by_its_certificate(
         },
     )
     assert digest in shown.ok().stdout
+
+
+# -- credentials cross the network only inside TLS -----------------------------------------
+
+
+def test_credentials_off_loopback_need_tls(tmp_path: Path) -> None:
+    run = run_vault(
+        "serve",
+        "--listen",
+        "0.0.0.0:0",
+        env={"PINVAULT_DATA_DIR": str(tmp_path / "data"), **CREDENTIALS},
+        state_home=tmp_path,
+    )
+    line = run.error_line()
+    assert "would send bearer tokens in plain text" in line and "auth.tls_cert" in line, line
+    assert not (tmp_path / "data").exists(), "a refused server left a data folder behind"
+
+
+def test_plaintext_credentials_off_loopback_are_an_opt_out_logged_loudly(
+    start_vault: StartVault,
+) -> None:
+    server = start_vault(
+        listen="0.0.0.0:0",
+        env={**CREDENTIALS, "PINVAULT_SERVER_ALLOW_PLAINTEXT_CREDENTIALS": "true"},
+    )
+    assert "SERVING CREDENTIALS IN PLAIN TEXT on 0.0.0.0:0" in server.log()
+    with pytest.raises(Unauthenticated):
+        VaultClient(server.address, timeout=10).checkpoint()
+
+
+def test_bearer_tokens_over_tls_off_loopback(start_vault: StartVault, tmp_path: Path) -> None:
+    folder = keys(tmp_path)
+    ca = (folder / "ca.pem").read_bytes()
+    server = start_vault(
+        listen="0.0.0.0:0",
+        env={
+            **CREDENTIALS,
+            "PINVAULT_AUTH_TLS_CERT": str(folder / "server.pem"),
+            "PINVAULT_AUTH_TLS_KEY": str(folder / "server.key"),
+        },
+        channel_credentials=grpc.ssl_channel_credentials(root_certificates=ca),
+    )
+    assert "access: credentials, TLS" in "\n".join(server.banner)
+    created = run_vault(
+        "token",
+        "create",
+        "--offline",
+        "--name",
+        "root",
+        "--team",
+        "ops",
+        "--role",
+        "admin",
+        env={"PINVAULT_DATA_DIR": str(server.data_dir), **CREDENTIALS},
+        state_home=server.state_home,
+    ).ok()
+    admin = VaultClient(
+        server.address, credentials=Credentials(token=created.stdout.strip(), ca=ca), timeout=20
+    )
+    digest = str(admin.put(b"over TLS with a token").blob.sha256)
+    assert admin.pin("artefact", digest).entry.author == "root"
+    # No token: refused; no TLS: nothing is understood.
+    with pytest.raises(Unauthenticated, match="needs a credential"):
+        VaultClient(server.address, credentials=Credentials(ca=ca), timeout=10).stat(digest)
+    with pytest.raises(Unavailable):
+        VaultClient(server.address, timeout=5).stat(digest)

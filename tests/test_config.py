@@ -191,3 +191,29 @@ def test_serve_stops_cleanly_on_sigterm(start_vault: StartVault) -> None:
     assert "pinvault stopping" in server.log()
     line = server.run("checkpoint").error_line()
     assert "UNAVAILABLE" in line
+
+
+def test_everything_serve_creates_in_the_data_folder_is_private(
+    start_vault: StartVault, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir(mode=0o755)
+    os.chmod(data, 0o755)
+    previous = os.umask(0o022)
+    try:
+        server = start_vault(data_dir=data)
+    finally:
+        os.umask(previous)
+    with server.client() as client:
+        digest = str(client.put(os.urandom(3 << 20)).blob.sha256)
+        client.pin("artefact", digest)
+    created = [data, *data.rglob("*")]
+    names = {p.relative_to(data).as_posix() for p in created}
+    assert {"vault.db", "vault.db-wal", "vault.db-shm", "checkpoint.key", "handoff.sock"} <= names
+    assert any(p.is_file() and p.parent.parent.name == "blobs" for p in created), names
+    open_to_others = {
+        p.relative_to(data).as_posix() or ".": oct(stat.S_IMODE(p.lstat().st_mode))
+        for p in created
+        if p.lstat().st_mode & 0o077
+    }
+    assert open_to_others == {}, f"readable by other users under umask 022: {open_to_others}"

@@ -54,6 +54,20 @@ class ServerConfig:
     # Let clients on this host hand their files over a Unix socket (handoff.sock in the data
     # folder) rather than stream the bytes of big puts and gets through gRPC.
     handoff: bool = True
+    # Streaming calls (puts, gets, audits) open at once, in all and per caller (a token's or a
+    # certificate's name; the one user in local mode); past either the call is refused with
+    # RESOURCE_EXHAUSTED. Each open stream may hold one thread of its own, never a worker's.
+    max_streams: int = 256
+    streams_per_caller: int = 64
+    # Seconds a stream may wait for its caller to send or to read before the vault ends it.
+    stream_idle_timeout: float = 60.0
+    # Failed credentials one address may present: a bucket of this many, refilled at this rate
+    # a second; past it, calls from there are refused at once without a look-up.
+    failed_auth_burst: int = 30
+    failed_auth_rate: float = 2.0
+    # Serve credentials in plain text off loopback: bearer tokens readable on the network.
+    # Only behind a TLS-terminating proxy on a trusted segment; logged loudly at every start.
+    allow_plaintext_credentials: bool = False
 
 
 @dataclass(frozen=True)
@@ -261,6 +275,16 @@ class Config:
 
 _SECTIONS = {f.name: f for f in fields(Config) if f.name != "data_dir"}
 
+# The range each numeric setting must lie in, from its lowest to its highest value.
+_RANGES: Final[Mapping[str, tuple[float, float]]] = {
+    "server.workers": (1, 4096),
+    "server.max_streams": (1, 65_536),
+    "server.streams_per_caller": (1, 65_536),
+    "server.stream_idle_timeout": (0.1, 86_400.0),
+    "server.failed_auth_burst": (1, 1_000_000),
+    "server.failed_auth_rate": (0.001, 1_000_000.0),
+}
+
 
 def _coerce(where: str, value: Any, default: Any) -> Any:
     kind = type(default)
@@ -309,7 +333,14 @@ def apply(config: Config, values: Mapping[str, Any], source: str) -> Config:
                     f"unknown config key '{key}.{name}' in {source} "
                     f"(known in [{key}]: {', '.join(sorted(known))})"
                 )
-            changes[name] = _coerce(f"{source}: {key}.{name}", item, getattr(section, name))
+            where = f"{source}: {key}.{name}"
+            changes[name] = _coerce(where, item, getattr(section, name))
+            bounds = _RANGES.get(f"{key}.{name}")
+            if bounds is not None and not bounds[0] <= changes[name] <= bounds[1]:
+                raise InvalidArgument(
+                    f"config {where}: expected {bounds[0]:g} to {bounds[1]:g}, "
+                    f"found {changes[name]!r}"
+                )
         top[key] = replace(section, **changes)
     return replace(config, **top)
 

@@ -115,7 +115,7 @@ def identity_from_certificate(pem: bytes) -> Identity:
 class Authenticator(Protocol):
     """Where bearer tokens are checked (`vault.tokens.TokenStore`)."""
 
-    def authenticate(self, token: str) -> Identity: ...
+    def authenticate(self, token: str, *, may_look_up: bool = True) -> Identity: ...
 
 
 class Gate:
@@ -130,8 +130,14 @@ class Gate:
         self.tokens = tokens
 
     def identify(
-        self, metadata: Sequence[tuple[str, Any]], auth_context: Mapping[str, Any]
+        self,
+        metadata: Sequence[tuple[str, Any]],
+        auth_context: Mapping[str, Any],
+        *,
+        may_look_up: bool = True,
     ) -> Identity:
+        """Who is calling; with `may_look_up` False, a token not remembered from a recent
+        look-up is refused (QuotaExceeded) rather than looked up."""
         if self.mode == "local":
             return LOCAL
         for key, value in metadata:
@@ -141,7 +147,7 @@ class Gate:
                 if scheme.lower() != "bearer" or not token:
                     raise Unauthenticated("the authorization header is not 'Bearer <token>'")
                 assert self.tokens is not None
-                return self.tokens.authenticate(token)
+                return self.tokens.authenticate(token, may_look_up=may_look_up)
         pem = auth_context.get("x509_pem_cert")
         if pem:
             return identity_from_certificate(pem[0])
@@ -151,10 +157,18 @@ class Gate:
         )
 
     def check(
-        self, rpc: str, metadata: Sequence[tuple[str, Any]], auth_context: Mapping[str, Any]
+        self,
+        rpc: str,
+        metadata: Sequence[tuple[str, Any]],
+        auth_context: Mapping[str, Any],
+        *,
+        may_look_up: bool = True,
     ) -> Identity:
+        return self.permit(rpc, self.identify(metadata, auth_context, may_look_up=may_look_up))
+
+    def permit(self, rpc: str, identity: Identity) -> Identity:
+        """`identity`, after checking it may call `rpc`."""
         permission = PERMISSIONS.get(rpc)
-        identity = self.identify(metadata, auth_context)
         if permission is None or not identity.may(permission):
             roles = [r for r, p in ROLES.items() if permission in p]
             raise PermissionDenied(

@@ -4,11 +4,14 @@ become status codes here and nowhere else."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any, Final, NoReturn, TypeVar
 
 import grpc
@@ -25,11 +28,17 @@ from vault.errors import (
     VaultError,
     VerificationError,
 )
-from vault.server.auth import CALLER, Gate
+from vault.server.auth import Gate, caller
 
 log = logging.getLogger(__name__)
 
+
+class StreamIdle(Unavailable):
+    """A stream's caller sent nothing, or read nothing, for longer than the vault waits."""
+
+
 _CODES: Final[dict[type[VaultError], grpc.StatusCode]] = {
+    StreamIdle: grpc.StatusCode.DEADLINE_EXCEEDED,
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
@@ -73,15 +82,13 @@ class Service:
     gate: Gate = Gate()
 
     def authorise(self, method: str, context: Any) -> None:
-        """Refuse the call unless its caller may make it; the caller is `auth.caller()` after."""
+        """Refuse the call unless its caller may make it. The gatekeeper (gatekeeper.py) names
+        the caller, `auth.caller()`, before the request is read; this checks it did."""
         if self.gate.mode != "local":
-            CALLER.set(
-                self.gate.check(
-                    f"{self.rpc_service}.{method}",
-                    context.invocation_metadata() or (),
-                    context.auth_context(),
-                )
-            )
+            identity = caller()
+            if not identity.authenticated:
+                raise Unauthenticated("the call passed no gate that names its caller")
+            self.gate.permit(f"{self.rpc_service}.{method}", identity)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         if self.inline:
@@ -120,6 +127,28 @@ def unary_async(method: Callable[..., Awaitable[Any]]) -> Handler:
     return wrapper
 
 
+@dataclass(frozen=True, slots=True)
+class Transfers:
+    """Where a stream's blocking work runs (None: the loop's default executor) and how long it
+    waits for its caller to send or to read (None: for ever); the gatekeeper sets it per
+    stream."""
+
+    executor: Executor | None = None
+    idle_timeout: float | None = None
+
+
+_UNLIMITED: Final = Transfers()
+TRANSFERS: contextvars.ContextVar[Transfers] = contextvars.ContextVar(
+    "transfers", default=_UNLIMITED
+)
+
+
+def _in_thread(transfers: Transfers, fn: Callable[[], T]) -> asyncio.Future[T]:
+    """`fn` on the stream's executor, seeing this call's context (its caller)."""
+    context = contextvars.copy_context()
+    return asyncio.get_running_loop().run_in_executor(transfers.executor, context.run, fn)
+
+
 _END = object()
 _AHEAD = 4
 
@@ -127,6 +156,10 @@ _AHEAD = 4
 class _Failed:
     def __init__(self, error: BaseException) -> None:
         self.error = error
+
+
+class _Stop(Exception):
+    """The producer of a stream whose caller stopped reading gives up."""
 
 
 def streaming(method: Callable[..., Iterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
@@ -149,6 +182,7 @@ async def stream(messages: Callable[[], Iterator[Any]], context: Any) -> AsyncIt
     databases) up to a few messages ahead of the network, so that reading the next chunk
     overlaps with sending this one."""
     loop = asyncio.get_running_loop()
+    transfers = TRANSFERS.get()
     # Unbounded on the loop side; `room` bounds it from the producer's side. The producer
     # never waits for the loop to take an item (a thread round trip per message would cost
     # more than the message).
@@ -157,7 +191,13 @@ async def stream(messages: Callable[[], Iterator[Any]], context: Any) -> AsyncIt
     stopped = threading.Event()
 
     def hand_over(item: Any) -> None:
-        room.acquire()
+        # A caller that reads nothing for the idle timeout gives its thread back: the stream
+        # ends with StreamIdle once it reads again (or when it goes away).
+        if not room.acquire(timeout=transfers.idle_timeout):
+            stopped.set()
+            idle = StreamIdle(f"the caller read nothing for {transfers.idle_timeout:g} seconds")
+            loop.call_soon_threadsafe(ready.put_nowait, _Failed(idle))
+            raise _Stop
         if not stopped.is_set():
             loop.call_soon_threadsafe(ready.put_nowait, item)
 
@@ -168,10 +208,15 @@ async def stream(messages: Callable[[], Iterator[Any]], context: Any) -> AsyncIt
                     return
                 hand_over(message)
             hand_over(_END)
+        except _Stop:
+            return
         except BaseException as exc:  # handed to the handler, which reports it
-            hand_over(_Failed(exc))
+            try:
+                hand_over(_Failed(exc))
+            except _Stop:
+                return
 
-    producer = loop.run_in_executor(None, produce)
+    producer = _in_thread(transfers, produce)
     try:
         while (message := await ready.get()) is not _END:
             room.release()
@@ -201,6 +246,7 @@ async def client_stream(
     except Exception as exc:
         await abort(context, exc)
     loop = asyncio.get_running_loop()
+    transfers = TRANSFERS.get()
     inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
     room = asyncio.Semaphore(_AHEAD)
 
@@ -208,7 +254,17 @@ async def client_stream(
         try:
             while True:
                 await room.acquire()
-                message = await context.read()
+                try:
+                    message = await asyncio.wait_for(context.read(), transfers.idle_timeout)
+                except TimeoutError:
+                    inbox.put(
+                        _Failed(
+                            StreamIdle(
+                                f"the caller sent nothing for {transfers.idle_timeout:g} seconds"
+                            )
+                        )
+                    )
+                    return
                 if message is grpc.aio.EOF:
                     inbox.put(None)
                     return
@@ -226,7 +282,7 @@ async def client_stream(
 
     reader = asyncio.ensure_future(pump())
     try:
-        return await asyncio.to_thread(store, receive)
+        return await _in_thread(transfers, lambda: store(receive))
     except Exception as exc:
         await abort(context, exc)
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from vault.server.assembly import open_content_store
 from vault.server.auth import MODES, Gate
 from vault.server.content import Content
 from vault.server.database import open_ledger_database
+from vault.server.gatekeeper import Gatekeeper, Limits
 from vault.server.service import build_server
 from vault.server.store_service import ScrubRunner
 from vault.server.tokens import TokenStore
@@ -91,18 +93,45 @@ def server_credentials(config: Config) -> grpc.ServerCredentials | None:
 
 
 def check_access(config: Config, listen: str) -> None:
-    """Local mode serves one user and so only where no one else can connect."""
+    """Local mode serves one user and so only where no one else can connect; credentials cross
+    the network only inside TLS."""
     if config.auth.mode not in MODES:
         raise InvalidArgument(
             f"unknown auth.mode {config.auth.mode!r}: expected one of {', '.join(MODES)}"
         )
     host = listen.rpartition(":")[0]
-    if config.auth.mode == "local" and not listen.startswith("unix:") and host not in _LOOPBACK:
+    local = listen.startswith("unix:") or host in _LOOPBACK
+    if config.auth.mode == "local" and not local:
         raise InvalidArgument(
             f"auth.mode 'local' asks no credential, so it listens only on loopback or a "
             f"Unix socket, not {listen}: set auth.mode = 'credentials' and create tokens "
             "with `vault token create`"
         )
+    if local or config.auth.tls_cert or config.auth.tls_key:
+        return
+    if not config.server.allow_plaintext_credentials:
+        raise InvalidArgument(
+            f"auth.mode 'credentials' on {listen} would send bearer tokens in plain text: set "
+            "auth.tls_cert and auth.tls_key (`vault keys init` makes them), or listen on "
+            "loopback or a Unix socket"
+        )
+    log.warning(
+        "SERVING CREDENTIALS IN PLAIN TEXT on %s (server.allow_plaintext_credentials): anyone "
+        "on the network path can read and replay every bearer token",
+        listen,
+    )
+
+
+def make_data_folder(path: Path) -> None:
+    """The data folder, private to the vault's user: everything the server creates from here
+    on is too (`serve` sets the umask to 077 first), whatever the umask it started with."""
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        os.chmod(path, 0o700)
+    except OSError as exc:
+        raise InvalidArgument(
+            f"cannot make the data folder {path} private (mode 0700): {exc.strerror}"
+        ) from None
 
 
 def open_desk(config: Config) -> Desk | None:
@@ -128,7 +157,11 @@ def serve(
     listen = listen or config.server.listen
     check_access(config, listen)
     tls = server_credentials(config)
-    config.data_path.mkdir(parents=True, exist_ok=True)
+    # Nothing the vault writes (its database and journals, keys, blobs, the handoff socket) is
+    # for other users of the host; other users' clients, who cannot reach the handoff socket
+    # then, stream instead.
+    os.umask(0o077)
+    make_data_folder(config.data_path)
     key = load_or_create_key(config)
     db = open_ledger_database(config)
     ledger = Ledger(
@@ -205,12 +238,15 @@ async def _serve(
     loop.set_default_executor(
         ThreadPoolExecutor(max_workers=config.server.workers, thread_name_prefix="vault")
     )
+    gatekeeper = Gatekeeper(
+        Gate(config.auth.mode, tokens) if tokens else Gate(), Limits.from_config(config)
+    )
     server, address = await build_server(
         ledger,
         content,
         listen,
         admitter=admitter,
-        gate=Gate(config.auth.mode, tokens) if tokens else None,
+        gatekeeper=gatekeeper,
         tokens=tokens,
         tls=tls,
         desk=desk,
@@ -236,3 +272,4 @@ async def _serve(
     await stop.wait()
     stopping()
     await server.stop(grace=5)
+    gatekeeper.close()

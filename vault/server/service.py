@@ -17,6 +17,7 @@ from vault.server.admission_service import AdmissionService
 from vault.server.auth import Gate
 from vault.server.content import Content
 from vault.server.edge import Service
+from vault.server.gatekeeper import Gatekeeper
 from vault.server.ledger_service import LedgerService
 from vault.server.store_service import ScrubRunner, StoreService
 from vault.server.tokens import TokenStore
@@ -25,11 +26,17 @@ from vault.store.handoff import Desk
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
-MAX_MESSAGE: Final = 64 * 1024 * 1024
+# The largest message the vault reads. Bulk bytes come in streams of small messages (a put's
+# are 1 MiB, a batch put's about 4 MiB plus its digests); the largest unary requests are a
+# LookupBatch of 100,000 digests (7.3 MB) and a PinBatch of small pins. A message past this is
+# refused by gRPC from its length alone, before it is read.
+MAX_RECEIVE: Final = 8 * 1024 * 1024
+# What the vault sends may be larger: a batch look-up's proofs.
+MAX_SEND: Final = 64 * 1024 * 1024
 
 SERVER_OPTIONS: Final = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE),
-    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_RECEIVE),
+    ("grpc.max_send_message_length", MAX_SEND),
     ("grpc.so_reuseport", 0),
 ]
 
@@ -40,7 +47,7 @@ async def build_server(
     listen: str,
     *,
     admitter: Admitter | None = None,
-    gate: Gate | None = None,
+    gatekeeper: Gatekeeper | None = None,
     tokens: TokenStore | None = None,
     tls: grpc.ServerCredentials | None = None,
     desk: Desk | None = None,
@@ -48,11 +55,13 @@ async def build_server(
 ) -> tuple[grpc.aio.Server, str]:
     """An asyncio gRPC server with the vault's services, health and reflection; returns it and
     where it listens (the real port when `listen` asked for port 0); `await server.start()`
-    next. Without `gate`, local mode: no credential is asked for; with `tokens`, administrators
+    next. `gatekeeper` names every caller before its request is read and bounds its streams
+    (without one, local mode with the default limits); with `tokens`, administrators
     manage them over the Tokens service; with `desk`, clients on this host may hand files over
     (vault/store/handoff.py); with `scrub`, Store.Scrub checks every tier on demand."""
-    gate = gate or Gate()
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    gatekeeper = gatekeeper or Gatekeeper(Gate())
+    gate = gatekeeper.gate
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[gatekeeper])
     ledger_service = LedgerService(ledger, content)
     servicers: list[Service] = [StoreService(content, ledger, desk, scrub), ledger_service]
     if admitter is not None:

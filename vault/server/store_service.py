@@ -23,7 +23,8 @@ from vault.store.handoff import Desk, Mode, read_handed_off
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
-MAX_FIND_MISSING: Final = 1_000_000
+# What fits in one message the vault reads (service.MAX_RECEIVE): 73 bytes a digest.
+MAX_FIND_MISSING: Final = 100_000
 
 
 def _blob(blob: StoredBlob) -> pb.BlobInfo:

@@ -8,18 +8,23 @@ import hmac
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
 
 from vault.config import Config, check_name, check_role
-from vault.errors import NotFound, Unauthenticated
+from vault.errors import NotFound, QuotaExceeded, Unauthenticated
 from vault.ledger.db import Database, Writer
 from vault.server.auth import TOKEN_PREFIX, Identity
 from vault.server.database import open_ledger_database
 
 # A revocation reaches every server within this many seconds.
 TOKEN_CACHE_SECONDS: Final = 5.0
+# Tokens a server remembers at once, the least recently used forgotten first. Only tokens that
+# were found are remembered: an unknown one is looked up each time it is presented, which the
+# gate's limit on failed credentials (vault/server/gatekeeper.py) keeps rare.
+TOKEN_CACHE_ENTRIES: Final = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +61,9 @@ class TokenStore:
         self.db = db
         self._writer = Writer(db)
         self._lock = threading.Lock()
-        self._cache: dict[str, tuple[float, bytes, Identity | None]] = {}
+        # The cache's own lock: a look-up never waits for a write.
+        self._cache_lock = threading.Lock()
+        self._cache: OrderedDict[str, tuple[float, bytes, Identity]] = OrderedDict()
 
     def close(self) -> None:
         self._writer.close()
@@ -94,26 +101,49 @@ class TokenStore:
                 raise NotFound(f"no token {TOKEN_PREFIX}{token_id}")
             if found[0][0] is None:
                 tx.run("UPDATE tokens SET revoked = ? WHERE token_id = ?", (when, token_id))
-        self._cache.pop(token_id, None)
+        with self._cache_lock:
+            self._cache.pop(token_id, None)
 
-    def authenticate(self, token: str) -> Identity:
+    @property
+    def cached(self) -> int:
+        """How many tokens this server remembers now."""
+        return len(self._cache)
+
+    def authenticate(self, token: str, *, may_look_up: bool = True) -> Identity:
+        """The identity `token` names. A token remembered from a recent look-up costs no query;
+        any other is looked up in the database, unless `may_look_up` is False (its address has
+        failed too often) and the token is not remembered at all: then it is refused as
+        QuotaExceeded without a query."""
         token_id, secret = split_token(token)
         now = time.monotonic()
-        cached = self._cache.get(token_id)
+        with self._cache_lock:
+            cached = self._cache.get(token_id)
+            if cached is not None:
+                self._cache.move_to_end(token_id)
         if cached is None or now - cached[0] > TOKEN_CACHE_SECONDS:
+            # A token found recently is looked up again whatever its address has failed.
+            if cached is None and not may_look_up:
+                raise QuotaExceeded(
+                    "too many failed credentials from this address: wait a few seconds"
+                )
             rows = self.db.fetch(
                 "SELECT secret_hash, name, team, role, revoked FROM tokens WHERE token_id = ?",
                 (token_id,),
             )
-            if rows and rows[0][4] is None:
-                stored, name, team, role, _ = rows[0]
-                cached = (now, bytes(stored), Identity(name, team, role))
-            else:
-                cached = (now, b"", None)
-            self._cache[token_id] = cached
+            if not rows or rows[0][4] is not None:
+                with self._cache_lock:
+                    self._cache.pop(token_id, None)
+                raise Unauthenticated(f"token {TOKEN_PREFIX}{token_id} is unknown or revoked")
+            stored, name, team, role, _ = rows[0]
+            cached = (now, bytes(stored), Identity(name, team, role))
+            with self._cache_lock:
+                self._cache[token_id] = cached
+                self._cache.move_to_end(token_id)
+                while len(self._cache) > TOKEN_CACHE_ENTRIES:
+                    self._cache.popitem(last=False)
         _, stored_hash, identity = cached
         # Compared in constant time; the message names the token's public id, never its secret.
-        if identity is None or not hmac.compare_digest(stored_hash, _hash(secret)):
+        if not hmac.compare_digest(stored_hash, _hash(secret)):
             raise Unauthenticated(f"token {TOKEN_PREFIX}{token_id} is unknown or revoked")
         return identity
 

@@ -1,0 +1,286 @@
+"""What an anonymous, careless or slow caller can cost a real `vault serve`: refused calls are
+refused before their request is read, so large anonymous requests do not raise the server's
+memory; a flood of unknown tokens is refused at once past a few, and nothing remembers them;
+stalled streams hold no thread others need, each caller may hold only so many, and look-ups
+and small transfers keep answering quickly beside a hundred of them."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from tests.conftest import StartVault
+from tests.services.vault_server import VaultServer
+from tests.test_access import CREDENTIALS, Vault
+from vault.client import Credentials, VaultClient
+from vault.client.reader import read_all
+from vault.config import Config
+from vault.errors import QuotaExceeded, Unauthenticated
+from vault.ledger.db import Database
+from vault.server import tokens as tokens_module
+from vault.server.database import open_ledger_database
+from vault.server.tokens import TokenStore
+from vault.wire import pinvault_pb2 as pb
+from vault.wire import pinvault_pb2_grpc as rpc
+
+MiB = 1 << 20
+STAT = "/pinvault.v1.Store/Stat"
+
+
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """A line of /proc/PID/status, in KiB: VmRSS now, VmHWM the most it ever was."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} for process {pid}")
+
+
+def server_pid(server: VaultServer) -> int:
+    assert server.process is not None
+    return server.process.pid
+
+
+def flood(address: str, body: bytes, token: str, calls: int) -> list[grpc.StatusCode]:
+    """`calls` unary Stat calls at once, each `body` long, each on a channel of its own."""
+
+    def one(_: int) -> grpc.StatusCode:
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1)]) as ch:
+            try:
+                ch.unary_unary(STAT)(body, metadata=metadata, timeout=120)
+            except grpc.RpcError as exc:
+                return exc.code()  # type: ignore[no-any-return]
+        return grpc.StatusCode.OK
+
+    with ThreadPoolExecutor(calls) as pool:
+        return list(pool.map(one, range(calls)))
+
+
+@pytest.fixture
+def vault(start_vault: StartVault) -> Vault:
+    return Vault(start_vault(env=CREDENTIALS))
+
+
+def test_large_requests_are_refused_before_they_are_read(vault: Vault) -> None:
+    pid = server_pid(vault.server)
+    reader = vault.token("bob", "vision", "reader")
+    # Known to the server before the floods, as a user of the vault is.
+    vault.client(reader).checkpoint()
+    before = rss_kib(pid)
+    body = pb.StatRequest(digest="sha256:" + "0" * (60 * MiB)).SerializeToString()
+
+    anonymous = flood(vault.server.address, body, "", 32)
+    forged = flood(vault.server.address, body, reader[:-4] + "0000", 32)
+    grown = (rss_kib(pid, "VmHWM") - before) / 1024
+    assert grown < 200, f"64 refused 60 MiB requests raised the server's memory by {grown:.0f} MiB"
+    refused = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert set(anonymous) <= refused and set(forged) <= refused, (anonymous, forged)
+
+    # Even a known caller's unary request is bounded: bulk bytes go in streams.
+    known = flood(vault.server.address, body, reader, 32)
+    assert set(known) == {grpc.StatusCode.RESOURCE_EXHAUSTED}, known
+    grown = (rss_kib(pid, "VmHWM") - before) / 1024
+    assert grown < 200, f"96 refused 60 MiB requests raised the server's memory by {grown:.0f} MiB"
+    # And the server is unharmed.
+    digest = str(vault.admin.put(b"still here").blob.sha256)
+    assert vault.client(reader).stat(digest).blob.size == 10
+
+
+def unknown_token(n: int) -> str:
+    return f"pv_{n:012x}_{os.urandom(32).hex()}"
+
+
+def test_a_flood_of_unknown_tokens_is_refused_at_once_past_a_few(vault: Vault) -> None:
+    reader = vault.token("bob", "vision", "reader")
+    known = vault.client(reader)
+    digest = str(vault.admin.put(b"looked at").blob.sha256)
+    known.stat(digest)
+
+    codes = []
+    began = time.monotonic()
+    with grpc.insecure_channel(vault.server.address) as channel:
+        stat = rpc.StoreStub(channel).Stat
+        for n in range(300):
+            try:
+                stat(
+                    pb.StatRequest(digest=digest),
+                    metadata=(("authorization", f"Bearer {unknown_token(n)}"),),
+                    timeout=10,
+                )
+            except grpc.RpcError as exc:
+                codes.append(exc.code())
+    took = time.monotonic() - began
+    unauthenticated = codes.count(grpc.StatusCode.UNAUTHENTICATED)
+    exhausted = codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
+    # The default bucket: 30 failures, then 2 a second.
+    assert 30 <= unauthenticated <= 30 + 2 * took + 2, (unauthenticated, took)
+    assert unauthenticated + exhausted == 300
+    # Refused at once, not slowed down: 300 calls in well under a second each.
+    assert took < 30
+    # A caller whose token the vault knows is still served from the same address.
+    assert known.stat(digest).blob.size == 9
+
+
+def test_the_token_cache_is_bounded_and_keeps_no_unknown_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tokens_module, "TOKEN_CACHE_ENTRIES", 8)
+    db: Database = open_ledger_database(Config(data_dir=str(tmp_path)))
+    store = TokenStore(db)
+    try:
+        for n in range(2000):
+            with pytest.raises(Unauthenticated):
+                store.authenticate(unknown_token(n))
+        assert store.cached == 0
+        secrets = [store.create(name=f"u{n}", team="t", role="reader")[1] for n in range(20)]
+        for secret in secrets:
+            assert store.authenticate(secret).role == "reader"
+        assert store.cached == 8
+        # Past its failures, a caller is refused without a look-up, unless remembered.
+        assert store.authenticate(secrets[-1], may_look_up=False).name == "u19"
+        with pytest.raises(QuotaExceeded):
+            store.authenticate(secrets[0], may_look_up=False)
+    finally:
+        store.close()
+        db.dispose()
+
+
+# -- stalled streams ------------------------------------------------------------------------
+
+STALLING_CALLERS = 10
+STREAMS_EACH = 10
+LIMITED = {**CREDENTIALS, "PINVAULT_SERVER_STREAMS_PER_CALLER": str(STREAMS_EACH)}
+
+
+class Staller:
+    """A caller that opens streams and then neither sends (puts) nor reads (gets)."""
+
+    def __init__(self, address: str, token: str) -> None:
+        # Without BDP probing a stream's window stays at 64 KiB, as a careful attacker keeps it.
+        self.channel = grpc.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0)])
+        self.store = rpc.StoreStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),)
+        self.release = threading.Event()
+        self.calls: list[Any] = []
+
+    def silent_put(self) -> Any:
+        def requests() -> Iterator[pb.PutRequest]:
+            yield pb.PutRequest(header=pb.PutHeader())
+            self.release.wait()
+
+        call = self.store.Put.future(requests(), metadata=self.metadata, timeout=120)
+        self.calls.append(call)
+        return call
+
+    def unread_get(self, digest: str) -> Any:
+        call = self.store.Get(pb.GetRequest(digest=digest), metadata=self.metadata, timeout=120)
+        self.calls.append(call)
+        return call
+
+    def close(self) -> None:
+        self.release.set()
+        for call in self.calls:
+            call.cancel()
+        self.channel.close()
+
+
+def p99(seconds: list[float]) -> float:
+    return statistics.quantiles(seconds, n=100)[98]
+
+
+def timed(fn: Callable[[], Any], times: int) -> list[float]:
+    taken = []
+    for _ in range(times):
+        began = time.perf_counter()
+        fn()
+        taken.append(time.perf_counter() - began)
+    return taken
+
+
+def test_stalled_streams_hold_no_one_else_up(start_vault: StartVault) -> None:
+    vault = Vault(start_vault(env=LIMITED))
+    big = os.urandom(32 * MiB)
+    big_digest = str(vault.admin.put(big).blob.sha256)
+    small = os.urandom(1024)
+    small_digest = str(vault.admin.put(small).blob.sha256)
+    vault.admin.pin("artefact", small_digest)
+
+    stallers = [
+        Staller(vault.server.address, vault.token(f"slow{n}", "vision", "writer"))
+        for n in range(STALLING_CALLERS)
+    ]
+    measured = vault.as_("alice", "vision", "writer")
+    try:
+        for staller in stallers:
+            for n in range(STREAMS_EACH):
+                if n % 2:
+                    staller.silent_put()
+                else:
+                    staller.unread_get(big_digest)
+        # Let every stalled stream reach the server and fill what it can.
+        time.sleep(2)
+
+        # One stream more than a caller may hold is refused at once.
+        began = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            list(
+                stallers[0].store.Get(
+                    pb.GetRequest(digest=small_digest), metadata=stallers[0].metadata, timeout=30
+                )
+            )
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "slow0 has 10 streams open" in (refused.value.details() or "")
+        assert time.monotonic() - began < 5
+
+        lookups = timed(lambda: measured.lookup(small_digest), 100)
+        puts = timed(lambda: measured.put(os.urandom(1024)), 100)
+        gets = timed(lambda: read_all(measured.open(small_digest)), 100)
+        for what, taken in (("look-up", lookups), ("1 KiB put", puts), ("1 KiB get", gets)):
+            assert p99(taken) < 1.0, (
+                f"{what} p99 {p99(taken) * 1000:.0f} ms beside 100 stalled streams"
+            )
+        # None of the stalled streams was answered or ended meanwhile.
+        assert all(not call.done() for s in stallers for call in s.calls)
+    finally:
+        for staller in stallers:
+            staller.close()
+    # Their slots come back when they go away.
+    time.sleep(1)
+    with VaultClient(
+        vault.server.address,
+        credentials=Credentials(token=vault.token("slow0b", "vision", "writer")),
+        timeout=30,
+    ) as again:
+        assert hashlib.sha256(read_all(again.open(big_digest))).hexdigest() == big_digest[7:]
+
+
+def test_a_stream_idle_past_its_timeout_is_ended(start_vault: StartVault) -> None:
+    vault = Vault(start_vault(env={**CREDENTIALS, "PINVAULT_SERVER_STREAM_IDLE_TIMEOUT": "1.5"}))
+    big_digest = str(vault.admin.put(os.urandom(16 * MiB)).blob.sha256)
+    staller = Staller(vault.server.address, vault.admin_token)
+    try:
+        put = staller.silent_put()
+        with pytest.raises(grpc.RpcError) as ended:
+            put.result(timeout=30)
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "sent nothing for 1.5 seconds" in (ended.value.details() or "")
+
+        get = staller.unread_get(big_digest)
+        time.sleep(4)
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in get:
+                pass
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "read nothing for 1.5 seconds" in (ended.value.details() or "")
+    finally:
+        staller.close()
