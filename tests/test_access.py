@@ -22,6 +22,24 @@ from vault.wire import pinvault_pb2 as pb
 CREDENTIALS = {"PINVAULT_AUTH_MODE": "credentials"}
 
 
+def first_admin_token(server: VaultServer) -> str:
+    """The vault's first administrator token, written offline into its database."""
+    created = run_vault(
+        "token",
+        "create",
+        "--offline",
+        "--name",
+        "root",
+        "--team",
+        "ops",
+        "--role",
+        "admin",
+        env={"PINVAULT_DATA_DIR": str(server.data_dir), **CREDENTIALS},
+        state_home=server.state_home,
+    ).ok()
+    return created.stdout.strip()
+
+
 def sha256(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
@@ -31,20 +49,7 @@ class Vault:
 
     def __init__(self, server: VaultServer) -> None:
         self.server = server
-        created = run_vault(
-            "token",
-            "create",
-            "--offline",
-            "--name",
-            "root",
-            "--team",
-            "ops",
-            "--role",
-            "admin",
-            env={"PINVAULT_DATA_DIR": str(server.data_dir), **CREDENTIALS},
-            state_home=server.state_home,
-        ).ok()
-        self.admin_token = created.stdout.strip()
+        self.admin_token = first_admin_token(server)
         self.admin = self.client(self.admin_token)
         self.secrets = [self.admin_token]
 
@@ -322,21 +327,8 @@ def test_bearer_tokens_over_tls_off_loopback(start_vault: StartVault, tmp_path: 
         channel_credentials=grpc.ssl_channel_credentials(root_certificates=ca),
     )
     assert "access: credentials, TLS" in "\n".join(server.banner)
-    created = run_vault(
-        "token",
-        "create",
-        "--offline",
-        "--name",
-        "root",
-        "--team",
-        "ops",
-        "--role",
-        "admin",
-        env={"PINVAULT_DATA_DIR": str(server.data_dir), **CREDENTIALS},
-        state_home=server.state_home,
-    ).ok()
     admin = VaultClient(
-        server.address, credentials=Credentials(token=created.stdout.strip(), ca=ca), timeout=20
+        server.address, credentials=Credentials(token=first_admin_token(server), ca=ca), timeout=20
     )
     digest = str(admin.put(b"over TLS with a token").blob.sha256)
     assert admin.pin("artefact", digest).entry.author == "root"
