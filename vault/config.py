@@ -99,6 +99,10 @@ class AdmissionConfig:
     replays_per_team: int = 2
     # Seconds after which a replay that never said it finished gives its slot back.
     replay_lease: float = 86_400.0
+    # The largest dataset manifest admission reads (about 1,700 files a MiB); larger ones are
+    # refused. At most the 256 MiB every reader of a manifest accepts, so that any dataset
+    # admitted can be checked out.
+    max_manifest_bytes: int = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -283,6 +287,7 @@ _RANGES: Final[Mapping[str, tuple[float, float]]] = {
     "server.stream_idle_timeout": (0.1, 86_400.0),
     "server.failed_auth_burst": (1, 1_000_000),
     "server.failed_auth_rate": (0.001, 1_000_000.0),
+    "admission.max_manifest_bytes": (1024, 256 * 1024 * 1024),
 }
 
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import secrets
 import threading
 import time
 import zlib
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -23,15 +26,16 @@ from vault.errors import (
     NotFound,
     PermissionDenied,
     QuotaExceeded,
+    VaultError,
 )
-from vault.ledger.db import Writer
+from vault.ledger.db import Writer, placeholders
 from vault.ledger.entry import Entry
 from vault.ledger.log import Ledger
 from vault.ledger.records import PinSpec, StoredEntry
 from vault.ledger.runid import MAX_INPUTS_BYTES, NONCE_HEX, RunInputs
 from vault.server.auth import Identity
 from vault.server.content import Content, StoredBlob
-from vault.store.manifest import MAX_MANIFEST_BYTES, decode_manifest
+from vault.store.manifest import MAX_MANIFEST_BYTES, RawFile, check_manifest
 
 ADMITTED: Final = "admitted"
 MANIFEST: Final = "manifest"
@@ -41,6 +45,15 @@ TEAM: Final = "team"
 REPLAY: Final = "replay"
 # Admissions of many runs touch few inputs; the cache of recent checks stays small.
 _MAX_REMEMBERED: Final = 100_000
+# Which of a batch of a manifest's digests the store holds.
+_PRESENT: Final = "SELECT sha256 FROM blobs WHERE sha256 IN ({})"
+# Datasets whose refusal is kept, least recently asked about forgotten first.
+_MAX_REFUSALS: Final = 4096
+# Checks of one input run one at a time (so that a dataset many jobs name at once is read
+# once); inputs share this many locks.
+_CHECK_LOCKS: Final = 64
+# Threads that look a manifest's files up in the store.
+_LOOKUP_THREADS: Final = 4
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,12 @@ class AdmissionPolicy:
     replays_per_team: int = 2
     # A replay that never says it finished gives its slot back after this many seconds.
     replay_lease: float = 86_400.0
+    # The largest dataset manifest admission reads (admission.max_manifest_bytes).
+    max_manifest_bytes: int = MAX_MANIFEST_BYTES
+    # A dataset refused for missing files is refused again from memory for this long (at most
+    # verify_interval): its files may be put meanwhile. A manifest's bytes never change, so a
+    # refusal of the manifest itself is kept for good.
+    missing_interval: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,8 +253,15 @@ class Admitter:
         self._new_run = threading.Lock()
         self._leases = Writer(ledger.db)
         self._leases_lock = threading.Lock()
+        # dataset digest -> its refusal (error type, message) and until when it stands.
+        self._refused: OrderedDict[str, tuple[type[VaultError], str, float]] = OrderedDict()
+        self._refused_lock = threading.Lock()
+        self._check_locks = [threading.Lock() for _ in range(_CHECK_LOCKS)]
+        # Kept for the server's life: each thread keeps its own database connection.
+        self._lookups = ThreadPoolExecutor(_LOOKUP_THREADS, thread_name_prefix="admission")
 
     def close(self) -> None:
+        self._lookups.shutdown(cancel_futures=True)
         self._leases.close()
 
     # ------------------------------------------------------------------ admit
@@ -293,28 +319,37 @@ class Admitter:
         Returns whether any input is pinned only as external content (kept elsewhere)."""
         external = False
         for role, digest in self._roles(inputs):
-            now = self._clock()
-            checked = self._checked.get((role, digest))
-            if checked is not None and now - checked < self.policy.verify_interval:
-                external = external or (role, digest) in self._external
-                continue
-            pins = self.ledger.pins_of_kind(digest, role)
-            if not pins:
-                raise FailedPrecondition(
-                    f"{role} {digest} is not pinned as {_an(role)}: pin it first "
-                    f"(vault pin {role} {digest})"
-                )
-            if all(is_external for _, is_external in pins):
-                # Kept elsewhere (an OCI registry, say): the pin is all the vault can vouch for.
-                external = True
-                self._external.add((role, digest))
-            else:
-                self._external.discard((role, digest))
-                self._check_content(role, digest)
-            _remember(self._checked, (role, digest), now)
+            if not self._recently_checked(role, digest):
+                with self._check_locks[hash((role, digest)) % _CHECK_LOCKS]:
+                    # Another admission may have checked it while this one waited.
+                    if not self._recently_checked(role, digest):
+                        self._check_input(role, digest)
+            external = external or (role, digest) in self._external
         return external
 
+    def _recently_checked(self, role: str, digest: str) -> bool:
+        checked = self._checked.get((role, digest))
+        return checked is not None and self._clock() - checked < self.policy.verify_interval
+
+    def _check_input(self, role: str, digest: str) -> None:
+        now = self._clock()
+        pins = self.ledger.pins_of_kind(digest, role)
+        if not pins:
+            raise FailedPrecondition(
+                f"{role} {digest} is not pinned as {_an(role)}: pin it first "
+                f"(vault pin {role} {digest})"
+            )
+        if all(is_external for _, is_external in pins):
+            # Kept elsewhere (an OCI registry, say): the pin is all the vault can vouch for.
+            self._external.add((role, digest))
+        else:
+            self._external.discard((role, digest))
+            self._check_content(role, digest)
+        _remember(self._checked, (role, digest), now)
+
     def _check_content(self, role: str, digest: str) -> None:
+        if role == "dataset":
+            self._raise_kept_refusal(digest)
         blob = self.content.find(Digest.parse(digest))
         if blob is None:
             raise FailedPrecondition(
@@ -332,21 +367,107 @@ class Admitter:
             self._check_dataset_files(digest, blob.info.size)
 
     def _check_dataset_files(self, digest: str, size: int) -> None:
-        if size > MAX_MANIFEST_BYTES:
-            raise InvalidArgument(f"dataset {digest} is {size} bytes, too large for a manifest")
-        _, chunks = self.content.read(self.content.get(Digest.parse(digest)))
-        data = b"".join(bytes(chunk.data) for chunk in chunks)
-        try:
-            manifest = decode_manifest(data)
-        except InvalidArgument as exc:
-            raise FailedPrecondition(f"dataset {digest} is not a dataset manifest: {exc}") from None
-        missing = set(self.content.find_missing(f.sha256 for f in manifest.files))
-        if missing:
-            first = next(f.path for f in manifest.files if f.sha256 in missing)
-            raise FailedPrecondition(
-                f"dataset {digest} is missing {len(missing)} of its {len(manifest.files)} "
-                f"files' content (first: {first})"
+        """Refuse a dataset whose manifest is not valid or names a file the store lacks. The
+        manifest is read through the one validator, its files handed on in batches and looked
+        up batch by batch, so that a million files never sit in memory at once."""
+        limit = self.policy.max_manifest_bytes
+        if size > limit:
+            self._refuse(
+                digest,
+                InvalidArgument(
+                    f"dataset {digest} is {size} bytes, more than a manifest may be "
+                    f"(admission.max_manifest_bytes is {limit})"
+                ),
             )
+        data = self._read_whole(digest, size)
+        missing: set[bytes] = set()
+        first: list[bytes] = []
+        # Batches looked up while the next ones are read, a few at once on threads of their
+        # own (SQLite answers them in parallel, without the GIL).
+        pending: deque[tuple[list[RawFile], Future[set[bytes]]]] = deque()
+
+        def settle() -> None:
+            batch, absent_of = pending.popleft()
+            absent = absent_of.result()
+            if absent:
+                lacking = [f for f in batch if f[3] in absent]
+                if not first:
+                    first.append(lacking[0][0])
+                missing.update(f[3] for f in lacking)
+
+        def look_up(batch: list[RawFile]) -> None:
+            pending.append((batch, self._lookups.submit(self._absent, batch)))
+            if len(pending) > 2 * _LOOKUP_THREADS:
+                settle()
+
+        try:
+            count = check_manifest(data, look_up, limit)
+        except InvalidArgument as exc:
+            problem = str(exc)
+        else:
+            problem = ""
+        finally:
+            del data
+            while pending:
+                settle()
+        if problem:
+            self._refuse(
+                digest, FailedPrecondition(f"dataset {digest} is not a dataset manifest: {problem}")
+            )
+        if missing:
+            self._refuse(
+                digest,
+                FailedPrecondition(
+                    f"dataset {digest} is missing {len(missing)} of its {count} "
+                    f"files' content (first: {first[0].decode()})"
+                ),
+                for_seconds=min(self.policy.verify_interval, self.policy.missing_interval),
+            )
+
+    def _absent(self, batch: list[RawFile]) -> set[bytes]:
+        """The digests (as hex) of a batch of a manifest's files that the store lacks, in one
+        query (the manifest's digests are well formed sha256 ones)."""
+        wanted = ["sha256:" + f[3].decode() for f in batch]
+        present = {
+            sha
+            for (sha,) in self.content.db.fetch(_PRESENT.format(placeholders(len(wanted))), wanted)
+        }
+        return {f[3] for f, d in zip(batch, wanted, strict=True) if d not in present}
+
+    def _read_whole(self, digest: str, size: int) -> bytearray:
+        """A blob's verified bytes in one buffer, with no second copy on the way."""
+        data = bytearray(size)
+        view = memoryview(data)
+        at = 0
+        _, chunks = self.content.read(self.content.get(Digest.parse(digest)))
+        for chunk in chunks:
+            view[at : at + len(chunk.data)] = chunk.data
+            at += len(chunk.data)
+        view.release()
+        if at != size:
+            raise IntegrityError(f"dataset {digest} read back {at} of its {size} bytes")
+        return data
+
+    def _refuse(self, digest: str, error: VaultError, *, for_seconds: float = math.inf) -> None:
+        """Raise `error`, kept as the dataset's answer for `for_seconds`."""
+        if for_seconds > 0:
+            with self._refused_lock:
+                self._refused[digest] = (type(error), str(error), self._clock() + for_seconds)
+                self._refused.move_to_end(digest)
+                while len(self._refused) > _MAX_REFUSALS:
+                    self._refused.popitem(last=False)
+        raise error
+
+    def _raise_kept_refusal(self, digest: str) -> None:
+        with self._refused_lock:
+            kept = self._refused.get(digest)
+            if kept is None:
+                return
+            if self._clock() >= kept[2]:
+                del self._refused[digest]
+                return
+            self._refused.move_to_end(digest)
+        raise kept[0](kept[1])
 
     def _find(self, inputs: RunInputs, team: str) -> tuple[AdmittedRun, RunInputs] | None:
         if (known := self._found.get((team, inputs))) is not None:

@@ -183,6 +183,7 @@ def serve(
             verify_interval=config.admission.verify_interval,
             replays_per_team=config.admission.replays_per_team,
             replay_lease=config.admission.replay_lease,
+            max_manifest_bytes=config.admission.max_manifest_bytes,
         ),
     )
     tokens = TokenStore(db) if config.auth.mode != "local" else None
