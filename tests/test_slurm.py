@@ -29,7 +29,7 @@ import pytest
 
 from tests.conftest import StartVault
 from tests.services.agent import AdmissionAgent
-from tests.services.slurm import SlurmCluster
+from tests.services.slurm import FINISHED_STATES, SlurmCluster
 from tests.services.vault_server import VAULT_COMMAND, VaultRun, VaultServer
 from vault.client import VaultClient
 from vault.runs import load_run_manifest
@@ -705,7 +705,8 @@ def wait_for_array(cluster: SlurmCluster, array_id: int, tasks: int) -> list[dic
             for job in json.loads(done.stdout)["jobs"]
             if job.get("array_job_id") == array_id and job.get("array_task_id") is not None
         ]
-        finished = [r for r in records if r["job_state"] not in ("PENDING", "RUNNING")]
+        # A task still COMPLETING has not finished: its state is not yet its last.
+        finished = [r for r in records if r["job_state"] in FINISHED_STATES]
         if len(finished) == tasks:
             return finished
         assert time.monotonic() < deadline, records

@@ -47,7 +47,7 @@ link set pv1 up
 """
 # munged and sockaddr_un: sun_path holds 108 bytes.
 _SOCKET_DIR_LIMIT = 80
-_FINISHED_STATES = {
+FINISHED_STATES = {
     "BOOT_FAIL",
     "CANCELLED",
     "COMPLETED",
@@ -260,7 +260,7 @@ class SlurmCluster(PrivateServer):
         deadline = time.monotonic() + timeout
         while True:
             record = self.job(job_id)
-            if record["job_state"] in _FINISHED_STATES:
+            if record["job_state"] in FINISHED_STATES:
                 return record
             if time.monotonic() > deadline:
                 raise SlurmClusterError(
