@@ -4,43 +4,18 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Final
+from typing import Any
 
-from vault.errors import (
-    FailedPrecondition,
-    IntegrityError,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
-    QuotaExceeded,
-    Unauthenticated,
-    Unavailable,
-    VaultError,
-)
+from vault.errors import VaultError, VerificationError
 from vault.ledger.entry import UNSAFE_TEXT
-
-# The status a user is told: the one the server answered with, or the one it would give the
-# same error found before any request. A failed proof or signature check (VerificationError)
-# is the client's own finding and has no status.
-_STATUS: Final = (
-    (InvalidArgument, "INVALID_ARGUMENT"),
-    (NotFound, "NOT_FOUND"),
-    (FailedPrecondition, "FAILED_PRECONDITION"),
-    (IntegrityError, "DATA_LOSS"),
-    (Unavailable, "UNAVAILABLE"),
-    (QuotaExceeded, "RESOURCE_EXHAUSTED"),
-    (Unauthenticated, "UNAUTHENTICATED"),
-    (PermissionDenied, "PERMISSION_DENIED"),
-)
 
 
 def error_line(exc: VaultError) -> str:
     """The one line the command prints for an error: its status, if any, and its message."""
     message = shown(" ".join(str(exc).split()))
-    for kind, status in _STATUS:
-        if isinstance(exc, kind):
-            return f"{status}: {message}"
-    return message
+    # A failed proof or signature check is the client's own finding: no server said it.
+    status = None if isinstance(exc, VerificationError) else exc.status
+    return message if status is None else f"{status}: {message}"
 
 
 def print_json(value: Any) -> None:

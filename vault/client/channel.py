@@ -27,16 +27,23 @@ CHANNEL_OPTIONS: Final = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
 
+# A status back to the error it stands for; a deadline the client set is the server's absence.
 _ERRORS: Final[dict[grpc.StatusCode, type[VaultError]]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-    grpc.StatusCode.DATA_LOSS: IntegrityError,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    **{
+        grpc.StatusCode[kind.status]: kind
+        for kind in (
+            InvalidArgument,
+            NotFound,
+            FailedPrecondition,
+            IntegrityError,
+            Unavailable,
+            QuotaExceeded,
+            Unauthenticated,
+            PermissionDenied,
+        )
+        if kind.status is not None
+    },
     grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: QuotaExceeded,
-    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 

@@ -17,16 +17,9 @@ from typing import Any, Final, NoReturn, TypeVar
 import grpc
 
 from vault.errors import (
-    FailedPrecondition,
-    IntegrityError,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
-    QuotaExceeded,
     Unauthenticated,
     Unavailable,
     VaultError,
-    VerificationError,
 )
 from vault.server.auth import Gate, caller
 
@@ -36,26 +29,12 @@ log = logging.getLogger(__name__)
 class StreamIdle(Unavailable):
     """A stream's caller sent nothing, or read nothing, for longer than the vault waits."""
 
-
-_CODES: Final[dict[type[VaultError], grpc.StatusCode]] = {
-    StreamIdle: grpc.StatusCode.DEADLINE_EXCEEDED,
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    IntegrityError: grpc.StatusCode.DATA_LOSS,
-    VerificationError: grpc.StatusCode.DATA_LOSS,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-    QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
-}
+    status = "DEADLINE_EXCEEDED"
 
 
 def status_for(error: VaultError) -> grpc.StatusCode:
-    for kind in type(error).__mro__:
-        if kind in _CODES:
-            return _CODES[kind]
-    return grpc.StatusCode.INTERNAL
+    name = type(error).status
+    return grpc.StatusCode.INTERNAL if name is None else grpc.StatusCode[name]
 
 
 T = TypeVar("T")
