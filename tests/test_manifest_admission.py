@@ -18,6 +18,7 @@ from tests.conftest import StartVault
 from tests.test_admission import Lab
 from vault import config
 from vault.errors import FailedPrecondition, InvalidArgument
+from vault.store import manifest as manifest_module
 from vault.store.manifest import (
     FileEntry,
     _decode_document,
@@ -112,6 +113,23 @@ CORNERS = {
     "2048 bytes": manifest("a/" * 1023 + "bc"),
 }
 
+# Manifests of many pieces (the fast reader checks about 256 KiB at a time), with what matters
+# far apart: a file and a path under it as a folder, a digest listed with two sizes, a path out
+# of order, an escape, a dotfile.
+FILLER = [f"d-{i:06d}/part.bin" for i in range(8_000)]
+CORNERS |= {
+    "many pieces": manifest(*FILLER),
+    "file and folder, pieces apart": manifest("d", *FILLER, "d/a"),
+    "file after its folder's files": manifest(*FILLER, "d/a", "d0"),
+    "two sizes, pieces apart": manifest(*FILLER).replace(b'"size":2}]', b'"size":3}]'),
+    "out of order, pieces apart": manifest(*FILLER[:7_000], "a", *FILLER[7_000:]),
+    "an escape, pieces on": manifest(*FILLER, 'e"f'),
+    "a dotfile, pieces on": manifest(*FILLER, "e/.f"),
+    "a dot-dot, pieces on": manifest(*FILLER, "e/../f"),
+    "a long name, pieces on": manifest(*FILLER, "e/" + "n" * 256),
+    "broken entry, pieces on": manifest(*FILLER).replace(b'"path":"d-007999', b'"path":d-007999'),
+}
+
 
 @pytest.mark.parametrize("case", list(CORNERS))
 def test_the_fast_reader_refuses_exactly_what_the_whole_document_reader_does(case: str) -> None:
@@ -126,6 +144,20 @@ def test_the_fast_reader_refuses_exactly_what_the_whole_document_reader_does(cas
         found = str(exc)
     assert found == expected
 
+
+
+@pytest.mark.parametrize("case", list(CORNERS))
+def test_the_piecewise_reader_accepts_nothing_the_exact_one_refuses(case: str) -> None:
+    """The piecewise reader either agrees with the entry-by-entry one or leaves the manifest
+    to it; on a plain valid manifest of many pieces it decides alone."""
+    data = CORNERS[case]
+    if not data.startswith(b'{"files":[') or not manifest_module._is_utf8(data):
+        return
+    pieces = manifest_module._scan_pieces(data, None)
+    exact = manifest_module._scan(data, None)
+    assert pieces is None or pieces == exact
+    if case in ("many pieces", "an escape, pieces on", "a dotfile, pieces on"):
+        assert exact is not None and pieces == exact
 
 def test_the_fast_reader_hands_files_on_in_batches() -> None:
     entries = [FileEntry(f"f{i:05d}", 2, 0o600, A) for i in range(25_000)]

@@ -12,9 +12,9 @@ import secrets
 import threading
 import time
 import zlib
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -28,14 +28,19 @@ from vault.errors import (
     QuotaExceeded,
     VaultError,
 )
-from vault.ledger.db import Writer, placeholders
+from vault.ledger.db import Writer
 from vault.ledger.entry import Entry
 from vault.ledger.log import Ledger
 from vault.ledger.records import PinSpec, StoredEntry
 from vault.ledger.runid import MAX_INPUTS_BYTES, NONCE_HEX, RunInputs
 from vault.server.auth import Identity
 from vault.server.content import Content, StoredBlob
-from vault.store.manifest import MAX_MANIFEST_BYTES, RawFile, check_manifest
+from vault.store.manifest import (
+    MAX_MANIFEST_BYTES,
+    RawFile,
+    check_manifest,
+    summarize_manifest,
+)
 
 ADMITTED: Final = "admitted"
 MANIFEST: Final = "manifest"
@@ -45,8 +50,6 @@ TEAM: Final = "team"
 REPLAY: Final = "replay"
 # Admissions of many runs touch few inputs; the cache of recent checks stays small.
 _MAX_REMEMBERED: Final = 100_000
-# Which of a batch of a manifest's digests the store holds.
-_PRESENT: Final = "SELECT sha256 FROM blobs WHERE sha256 IN ({})"
 # Datasets whose refusal is kept, least recently asked about forgotten first.
 _MAX_REFUSALS: Final = 4096
 # Checks of one input run one at a time (so that a dataset many jobs name at once is read
@@ -212,6 +215,25 @@ class Runs:
         return team
 
 
+class _Stop(Exception):
+    """Ends a walk over a manifest's files early."""
+
+
+def _first_file_of(data: bytes | bytearray, missing: set[str]) -> str:
+    """The path of the first file, in manifest order, whose digest is one of `missing`."""
+    first: list[str] = []
+
+    def look(batch: list[RawFile]) -> None:
+        for path, _, _, hexdigest in batch:
+            if "sha256:" + hexdigest.decode() in missing:
+                first.append(path.decode())
+                raise _Stop
+
+    with contextlib.suppress(_Stop):
+        check_manifest(data, look, len(data))
+    return first[0]
+
+
 def replay_tag(lease: str) -> str:
     """What a replay's entries carry for its lease: its sha256, never the lease, which can
     release the slot."""
@@ -368,8 +390,9 @@ class Admitter:
 
     def _check_dataset_files(self, digest: str, size: int) -> None:
         """Refuse a dataset whose manifest is not valid or names a file the store lacks. The
-        manifest is read through the one validator, its files handed on in batches and looked
-        up batch by batch, so that a million files never sit in memory at once."""
+        manifest is read through the one validator, which keeps only its distinct digests;
+        they are looked up in sorted order (neighbours share index pages), in a few slices
+        at once on threads of their own (SQLite answers them in parallel, without the GIL)."""
         limit = self.policy.max_manifest_bytes
         if size > limit:
             self._refuse(
@@ -380,59 +403,30 @@ class Admitter:
                 ),
             )
         data = self._read_whole(digest, size)
-        missing: set[bytes] = set()
-        first: list[bytes] = []
-        # Batches looked up while the next ones are read, a few at once on threads of their
-        # own (SQLite answers them in parallel, without the GIL).
-        pending: deque[tuple[list[RawFile], Future[set[bytes]]]] = deque()
-
-        def settle() -> None:
-            batch, absent_of = pending.popleft()
-            absent = absent_of.result()
-            if absent:
-                lacking = [f for f in batch if f[3] in absent]
-                if not first:
-                    first.append(lacking[0][0])
-                missing.update(f[3] for f in lacking)
-
-        def look_up(batch: list[RawFile]) -> None:
-            pending.append((batch, self._lookups.submit(self._absent, batch)))
-            if len(pending) > 2 * _LOOKUP_THREADS:
-                settle()
-
         try:
-            count = check_manifest(data, look_up, limit)
+            summary = summarize_manifest(data, limit)
         except InvalidArgument as exc:
-            problem = str(exc)
-        else:
-            problem = ""
-        finally:
             del data
-            while pending:
-                settle()
-        if problem:
             self._refuse(
-                digest, FailedPrecondition(f"dataset {digest} is not a dataset manifest: {problem}")
+                digest, FailedPrecondition(f"dataset {digest} is not a dataset manifest: {exc}")
             )
+        wanted = ["sha256:" + d.hex() for d in sorted(summary.sizes)]
+        summary.sizes.clear()
+        step = -(-len(wanted) // _LOOKUP_THREADS) or 1
+        slices = [
+            self._lookups.submit(self.content.lacking, wanted[at : at + step])
+            for at in range(0, len(wanted), step)
+        ]
+        missing: set[str] = set().union(*(lacking.result() for lacking in slices))
         if missing:
             self._refuse(
                 digest,
                 FailedPrecondition(
-                    f"dataset {digest} is missing {len(missing)} of its {count} "
-                    f"files' content (first: {first[0].decode()})"
+                    f"dataset {digest} is missing {len(missing)} of its {summary.files} "
+                    f"files' content (first: {_first_file_of(data, missing)})"
                 ),
                 for_seconds=min(self.policy.verify_interval, self.policy.missing_interval),
             )
-
-    def _absent(self, batch: list[RawFile]) -> set[bytes]:
-        """The digests (as hex) of a batch of a manifest's files that the store lacks, in one
-        query (the manifest's digests are well formed sha256 ones)."""
-        wanted = ["sha256:" + f[3].decode() for f in batch]
-        present = {
-            sha
-            for (sha,) in self.content.db.fetch(_PRESENT.format(placeholders(len(wanted))), wanted)
-        }
-        return {f[3] for f, d in zip(batch, wanted, strict=True) if d not in present}
 
     def _read_whole(self, digest: str, size: int) -> bytearray:
         """A blob's verified bytes in one buffer, with no second copy on the way."""

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import binascii
 import codecs
+import itertools
 import json
+import operator
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,6 +48,8 @@ _ENTRY: Final = re.compile(
 # one of these. A path without, without escapes and at most MAX_NAME_BYTES long, passes
 # check_path.
 _PATH_SUSPECTS: Final = (b"//", b"/.", b'/"', b'"path":"/', b'"path":".', b'"path":""')
+# The same signs in paths joined by NULs, and a backslash (an escape).
+_JOINED_SUSPECTS: Final = (b"//", b"/.", b"/\0", b"\0/", b"\0.", b"\0\0", b"\\")
 _UTF8_PIECE: Final = 1 << 22
 # A file as the fast reader hands it on: path (UTF-8), size, mode, digest (hex).
 RawFile = tuple[bytes, int, int, bytes]
@@ -195,16 +199,40 @@ def check_manifest(
     """Validate manifest bytes exactly as `decode_manifest` does, handing the files to `sink`
     (as RawFile tuples) in manifest order, at most BATCH_FILES at a time, rather than keeping
     them all; returns the number of files. On a refusal `sink` may have been handed some
-    files: discard them.
+    files: discard them."""
+    return _check(data, sink, limit).files
 
-    Canonical bytes are read in one pass that checks each entry in place (a million files in
-    seconds, without a million dicts); anything else is read again by the whole-document
-    reader, whose messages name the problem."""
+
+def summarize_manifest(data: bytes | bytearray, limit: int = MAX_MANIFEST_BYTES) -> Summary:
+    """Validate manifest bytes exactly as `decode_manifest` does, keeping only the number of
+    files and each distinct digest with its size (what admission looks up)."""
+    return _check(data, None, limit)
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """A valid manifest's number of files, and each distinct file digest (32 bytes) with the
+    size every file of that digest has."""
+
+    files: int
+    sizes: dict[bytes, int]
+
+
+def _check(
+    data: bytes | bytearray, sink: Callable[[list[RawFile]], object] | None, limit: int
+) -> Summary:
+    """Canonical bytes are read a piece at a time, each piece checked as a whole (a million
+    files in about a second, without a million dicts); a piece the fast reader is unsure of
+    is read again by the exact entry-by-entry one, and anything it refuses by the
+    whole-document reader, whose messages name the problem."""
     if len(data) > limit:
         raise InvalidArgument(f"dataset manifest is {len(data)} bytes (at most {limit})")
-    count = _scan(data, sink)
-    if count is not None:
-        return count
+    if data.startswith(_HEAD) and _is_utf8(data):
+        found = _scan_pieces(data, sink)
+        if found is None:
+            found = _scan(data, sink)
+        if found is not None:
+            return found
     _decode_document(data, limit)
     # The whole-document reader accepted what the fast one did not: they disagree, and a
     # manifest is admitted only when both readers would take it.
@@ -214,16 +242,138 @@ def check_manifest(
 _NOT_CANONICAL: Final = (
     "dataset manifest is not in canonical form (RFC 8785 JSON, files sorted by bytewise UTF-8 path)"
 )
+# The bytes of a file entry besides its mode, path, digest and size, with the `,` or `]` after.
+_ENTRY_FRAME: Final = len(b'{"mode":"","path":"","sha256":"sha256:","size":},')
+# Where the next file entry starts: a `"` in a path is always escaped, so this never occurs
+# inside one.
+_NEXT_ENTRY: Final = b'},{"mode":"'
+_PIECE_BYTES: Final = 1 << 18
+_MODE_OF, _PATH_OF, _DIGEST_OF, _SIZE_OF, _AFTER_OF = map(operator.itemgetter, range(5))
 
 
-def _scan(data: bytes | bytearray, sink: Callable[[list[RawFile]], object]) -> int | None:
-    """The files of canonical manifest bytes handed to `sink`, and their number; None at the
-    first thing that is not a valid manifest in canonical form."""
-    if not data.startswith(_HEAD) or not _is_utf8(data):
-        return None
+def _scan_pieces(
+    data: bytes | bytearray, sink: Callable[[list[RawFile]], object] | None
+) -> Summary | None:
+    """The fast reader of canonical manifest bytes (known to start with the head and to be
+    UTF-8): pieces of about _PIECE_BYTES, each matched entry by entry in C and then checked
+    with whole-list operations. None when a piece is not plainly valid; the exact reader
+    then decides."""
     pos = len(_HEAD)
+    end = len(data) - len(_TAIL) + 1
+    sizes: dict[bytes, int] = {}
     if data[pos:] == _TAIL:
-        return 0
+        return Summary(0, sizes)
+    if end <= pos or data[end - 1 :] != _TAIL:
+        return None
+    prefixes: set[bytes] = set()
+    folders: set[bytes] = {b""}
+    batch: list[RawFile] = []
+    previous = b""
+    count = 0
+    unhex = binascii.a2b_hex
+    while pos < end:
+        stop = data.find(_NEXT_ENTRY, pos + _PIECE_BYTES, end)
+        stop = end if stop < 0 else stop + 2
+        found = _ENTRY.findall(data, pos, stop)
+        if not found:
+            return None
+        raw_paths = list(map(_PATH_OF, found))
+        size_texts = list(map(_SIZE_OF, found))
+        afters = list(map(_AFTER_OF, found))
+        # Matches never overlap, so they cover the piece exactly when their lengths add up;
+        # only the last entry of all ends with `]`.
+        covered = len(found) * (_ENTRY_FRAME + 4 + 64)
+        covered += sum(map(len, raw_paths)) + sum(map(len, size_texts))
+        if covered != stop - pos or afters.count(b"]") != (stop == end):
+            return None
+        keys = _piece_keys(raw_paths)
+        if keys is None or not previous < keys[0] or not all(map(operator.lt, keys, keys[1:])):
+            return None
+        # A file that is another's folder is a proper prefix of the path after it (every
+        # path between `d` and `d/…` starts with `d`), so only such files are kept to look at.
+        before = [previous, *keys[:-1]]
+        prefixes.update(itertools.compress(before, map(bytes.startswith, keys, before)))
+        prefixes.discard(b"")
+        for folder in {key.rpartition(b"/")[0] for key in keys} - folders:
+            while folder not in folders:
+                folders.add(folder)
+                folder = folder.rpartition(b"/")[0]
+        if not prefixes.isdisjoint(folders):
+            return None
+        numbers = list(map(int, size_texts))
+        if max(numbers) > MAX_SIZE:
+            return None
+        digests = list(map(_DIGEST_OF, found))
+        raw = list(map(unhex, digests))
+        piece = dict(zip(raw, numbers, strict=True))
+        if len(piece) < len(found) and any(map(operator.ne, map(piece.__getitem__, raw), numbers)):
+            return None
+        if any(sizes[d] != piece[d] for d in piece.keys() & sizes.keys()):
+            return None
+        sizes.update(piece)
+        if sink is not None:
+            batch.extend(zip(keys, numbers, map(_MODES.__getitem__, map(_MODE_OF, found)), digests))
+            while len(batch) >= BATCH_FILES:
+                sink(batch[:BATCH_FILES])
+                del batch[:BATCH_FILES]
+        count += len(found)
+        previous = keys[-1]
+        pos = stop
+    if batch and sink is not None:
+        sink(batch)
+    return Summary(count, sizes)
+
+
+def _piece_keys(raw_paths: list[bytes]) -> list[bytes] | None:
+    """A piece's paths as UTF-8 bytes, each that might break a rule of check_path checked by
+    it; None at the first that does. The paths are looked at together first, joined by a NUL
+    (which a path in the manifest's bytes cannot hold): most pieces have nothing to check."""
+    joined = b"\0" + b"\0".join(raw_paths) + b"\0"
+    if max(map(len, raw_paths)) <= MAX_NAME_BYTES and all(
+        joined.find(needle) < 0 for needle in _JOINED_SUSPECTS
+    ):
+        return raw_paths
+    keys = []
+    for raw in raw_paths:
+        key = raw
+        if b"\\" in raw:
+            try:
+                key = json.loads(b'"' + raw + b'"').encode("utf-8")
+            except ValueError:
+                return None
+        if key is raw and not _suspect(key):
+            keys.append(key)
+            continue
+        try:
+            check_path(key.decode("utf-8"))
+        except (InvalidArgument, UnicodeDecodeError):
+            return None
+        keys.append(key)
+    return keys
+
+
+def _suspect(key: bytes) -> bool:
+    """Whether an unescaped path might break a rule of check_path; otherwise it is sure not to."""
+    return (
+        not key
+        or key[:1] in (b"/", b".")
+        or key.endswith(b"/")
+        or b"//" in key
+        or b"/." in key
+        or len(key) > MAX_NAME_BYTES
+    )
+
+
+def _scan(
+    data: bytes | bytearray, sink: Callable[[list[RawFile]], object] | None
+) -> Summary | None:
+    """The exact reader of canonical manifest bytes (known to start with the head and to be
+    UTF-8), one entry at a time: their files handed to `sink`, and their summary; None at the
+    first thing that is not a valid manifest in canonical form."""
+    pos = len(_HEAD)
+    sizes: dict[bytes, int] = {}
+    if data[pos:] == _TAIL:
+        return Summary(0, sizes)
     count = 0
     batch: list[RawFile] = []
     previous = b""
@@ -231,7 +381,6 @@ def _scan(data: bytes | bytearray, sink: Callable[[list[RawFile]], object]) -> i
     # between a file `d` and a path `d/…` starts with `d`, so a file that is another's folder
     # is found here.
     prefixes: list[bytes] = []
-    sizes: dict[bytes, int] = {}
     unhex = binascii.a2b_hex
     # Where a path may break a rule check_path enforces; elsewhere only length can.
     suspects = [_find(data, needle, pos) for needle in _PATH_SUSPECTS]
@@ -277,7 +426,8 @@ def _scan(data: bytes | bytearray, sink: Callable[[list[RawFile]], object]) -> i
         batch.append((key, size, _MODES[mode], digest))
         count += 1
         if len(batch) >= BATCH_FILES:
-            sink(batch)
+            if sink is not None:
+                sink(batch)
             batch = []
         if after == b"]":
             break
@@ -285,9 +435,9 @@ def _scan(data: bytes | bytearray, sink: Callable[[list[RawFile]], object]) -> i
         return None
     if data[pos - 1 :] != _TAIL:
         return None
-    if batch:
+    if batch and sink is not None:
         sink(batch)
-    return count
+    return Summary(count, sizes)
 
 
 def _find(data: bytes | bytearray, needle: bytes, start: int) -> int:
