@@ -439,8 +439,8 @@ def test_finish_publishes_the_manifest_and_a_one_line_replicate_sh(
     script = out / "replicate.sh"
     lines = script.read_text().splitlines()
     assert lines[0] == "#!/bin/sh" and len(lines) == 2
-    command, digest = lines[1].rsplit(" ", 1)
-    assert command == "vault replay"
+    command, digest, arguments = lines[1].rsplit(" ", 2)
+    assert command == "exec vault replay" and arguments == '"$@"'
     assert stat.S_IMODE(script.stat().st_mode) == 0o755
 
     fetched = tmp_path / "manifest.json"

@@ -29,6 +29,7 @@ import pytest
 
 from tests.conftest import StartVault
 from tests.services.agent import AdmissionAgent
+from tests.services.installed import install_vault
 from tests.services.slurm import FINISHED_STATES, SlurmCluster
 from tests.services.vault_server import VAULT_COMMAND, VaultRun, VaultServer
 from vault.client import VaultClient
@@ -601,7 +602,7 @@ class Lab:
         replicate = (self.cluster.jobs_dir / f"run-{job_id}" / "replicate.sh").read_text()
         lines = replicate.splitlines()
         assert lines[0].startswith("#!") and len(lines) == 2, replicate
-        manifest = re.fullmatch(r"vault replay (sha256:[0-9a-f]{64})", lines[1])
+        manifest = re.fullmatch(r'exec vault replay (sha256:[0-9a-f]{64}) "\$@"', lines[1])
         assert manifest, replicate
         return job_id, manifest.group(1)
 
@@ -629,6 +630,37 @@ def test_vault_run_pins_submits_and_the_job_publishes_its_manifest(lab: Lab) -> 
         assert written.startswith(b"seed 12648430 score ")
         kinds = sorted(p.entry.kind for p in client.lookup(run_id))
         assert kinds == ["artefact", "checkpoint", "run", "run"]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of the `vault` that `uv tool install` of this checkout puts on a PATH."""
+    return install_vault(tmp_path_factory.mktemp("installed"))
+
+
+def test_a_reviewer_replays_through_replicate_sh_with_only_the_installed_vault(
+    lab: Lab, installed: Path
+) -> None:
+    job_id, original = lab.finished(lab.run_job("11"))
+    replicate = lab.cluster.jobs_dir / f"run-{job_id}" / "replicate.sh"
+    # A reviewer's shell outside the checkout: the installed `vault` and the system's programs.
+    env = {
+        "PATH": f"{installed}:/usr/local/bin:/usr/bin:/bin",
+        "PINVAULT_CLIENT_SERVER": lab.vault.address,
+        "PINVAULT_CLIENT_STATE_FILE": str(lab.state / "reviewer.json"),
+    }
+    found = lab.cluster.run("sh", "-c", "command -v vault", env=env)
+    assert found.stdout.strip() == str(installed / "vault"), found.stderr
+
+    done = lab.cluster.run(str(replicate), "--team", "vision", env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "✓ run manifest published" in done.stdout
+    _, replayed = lab.finished(done.stdout)
+    with VaultClient(lab.vault.address, timeout=60) as client:
+        first = load_run_manifest(client, original)
+        again = load_run_manifest(client, replayed)
+    assert replayed != original
+    assert again.run_id == first.run_id and again.outputs == first.outputs
 
 
 def test_a_replay_makes_the_same_outputs_and_quotas_hold(lab: Lab) -> None:

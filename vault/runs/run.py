@@ -415,7 +415,7 @@ class Run:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         _write_durably(
             self.output_dir / REPLICATE_SCRIPT,
-            f"#!/bin/sh\nvault replay {digest}\n".encode(),
+            f'#!/bin/sh\nexec vault replay {digest} "$@"\n'.encode(),
             0o755,
         )
         self._published = digest
