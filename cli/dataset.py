@@ -1,26 +1,26 @@
-"""`vault dataset add|checkout|diff`: a folder stored as blobs plus a pinned manifest
-(docs/dataset-manifest.md), materialised again verified, and two manifests compared."""
+"""`vault dataset add|ls|show|checkout|diff`: a folder stored as blobs plus a pinned manifest
+(docs/dataset-manifest.md) under a name, the names listed and resolved (verified), a dataset
+materialised again verified, and two manifests compared."""
 
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from cli.output import print_json as _print_json
+from cli.output import shown
 from vault.client import VaultClient
 from vault.config import Config
 from vault.digest import Digest
-from vault.runs.dataset import add_dataset, checkout_dataset, diff_datasets
+from vault.errors import InvalidArgument
+from vault.runs.dataset import add_dataset, checkout_dataset, diff_datasets, fetch_manifest
+from vault.runs.names import list_datasets, resolve_dataset, resolve_input
 from vault.store.hashcache import HashCache, default_path
 
 Connect = Callable[[Config], VaultClient]
-
-
-def _print_json(value: Any) -> None:
-    print(json.dumps(value, indent=None, ensure_ascii=False))
 
 
 def add_dataset_commands(sub: Any, connect: Connect) -> None:
@@ -29,10 +29,22 @@ def add_dataset_commands(sub: Any, connect: Connect) -> None:
     commands = p.add_subparsers(dest="dataset_command", required=True, metavar="COMMAND")
 
     q = commands.add_parser(
-        "add", help="store a folder's files and its manifest, pin it; prints the manifest digest"
+        "add",
+        help="store a folder's files and its manifest, pin it under a name; prints the digest",
+        description="Adding a folder that is unchanged since it was pinned under the same name "
+        "and tag appends nothing, and says which entry pins it.",
     )
-    q.add_argument("folder", metavar="DIR")
-    q.add_argument("--name", help="the pin's name (default: the folder's name)")
+    q.add_argument("items", nargs="+", metavar="[NAME] DIR")
+    q.add_argument("--name", help="the dataset's name (default: NAME, or the folder's name)")
+    q.add_argument("--tag", default="", help="a tag the name is pinned with (NAME@TAG)")
+    q.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="leave out files and folders matching GLOB (repeatable; also read from the "
+        "folder's .vaultignore)",
+    )
     q.add_argument(
         "--rehash",
         action="store_true",
@@ -41,48 +53,118 @@ def add_dataset_commands(sub: Any, connect: Connect) -> None:
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=partial(_add, connect=connect))
 
+    q = commands.add_parser("ls", help="every dataset name and tag, with the digest it names")
+    q.add_argument("--author", default="", help="only the names this author pinned")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=partial(_ls, connect=connect))
+
+    q = commands.add_parser("show", help="what a dataset name resolves to, verified")
+    q.add_argument("reference", metavar="NAME[@TAG]")
+    q.add_argument("--author", default="", help="whose pin of the name (when several pinned it)")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=partial(_show, connect=connect))
+
     q = commands.add_parser(
         "checkout", help="write a dataset's files, verified, into an absent or empty folder"
     )
-    q.add_argument("digest", metavar="DIGEST")
+    q.add_argument("digest", metavar="DIGEST|NAME[@TAG]")
     q.add_argument("folder", metavar="DIR")
+    q.add_argument("--author", default="", help="whose pin of the name (when several pinned it)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=partial(_checkout, connect=connect))
 
     q = commands.add_parser("diff", help="paths added, removed and changed from A to B")
     q.add_argument("old", metavar="A")
     q.add_argument("new", metavar="B")
+    q.add_argument("--author", default="", help="whose pins of names (when several pinned them)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=partial(_diff, connect=connect))
 
 
 def _add(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    if len(args.items) > 2:
+        raise InvalidArgument("dataset add takes [NAME] DIR")
+    name, folder = args.items if len(args.items) == 2 else (None, args.items[0])
+    if name and args.name and name != args.name:
+        raise InvalidArgument(f"two names given: {name!r} and --name {args.name!r}")
     cache = None if args.rehash else HashCache(default_path())
     try:
         with connect(config) as client:
-            result = add_dataset(client, Path(args.folder), name=args.name, cache=cache)
+            result = add_dataset(
+                client,
+                Path(folder),
+                name=name or args.name,
+                tag=args.tag,
+                exclude=args.exclude,
+                cache=cache,
+            )
     finally:
         if cache is not None:
             cache.close()
+    entry = result.pin.entry
     if args.json:
         _print_json(
             {
                 "digest": result.digest,
+                "name": entry.meta.get("name", ""),
+                "tag": entry.meta.get("tag", ""),
                 "files": len(result.manifest.files),
                 "size": result.manifest.size,
                 "sent_files": result.sent_files,
                 "sent_bytes": result.sent_bytes,
-                "index": result.pin.entry.index,
+                "index": entry.index,
+                "new": result.new,
             }
         )
-    else:
+    elif result.new:
         print(result.digest)
+    else:
+        print(
+            f"{result.digest}  unchanged: already pinned as entry {entry.index} "
+            f"({shown(_reference(entry.meta))}); nothing appended"
+        )
+    return 0
+
+
+def _reference(meta: Any) -> str:
+    name, tag = meta.get("name", ""), meta.get("tag", "")
+    return f"{name}@{tag}" if tag else name
+
+
+def _ls(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    with connect(config) as client:
+        names = list_datasets(client, author=args.author)
+    if args.json:
+        _print_json([n.as_json() for n in names])
+        return 0
+    for n in names:
+        line = n.as_json()
+        print(
+            f"{shown(_reference(n.entry.meta)):<32} {n.digest}  {line['files']:>9} files  "
+            f"entry {n.entry.index}  by {shown(n.entry.author)}  {n.entry.time}"
+        )
+    return 0
+
+
+def _show(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    with connect(config) as client:
+        named = resolve_dataset(client, args.reference, author=args.author)
+        manifest = fetch_manifest(client, named.digest)
+    if args.json:
+        _print_json({**named.as_json(), "files": len(manifest.files), "size": manifest.size})
+        return 0
+    print(f"{shown(_reference(named.entry.meta))}  {named.digest}")
+    print(f"  {len(manifest.files)} files, {manifest.size} bytes (manifest verified)")
+    print(
+        f"  pinned as entry {named.entry.index} by {shown(named.entry.author)} at "
+        f"{named.entry.time} (inclusion verified)"
+    )
     return 0
 
 
 def _checkout(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
-    digest = str(Digest.parse(args.digest))
     with connect(config) as client:
+        digest = str(Digest.parse(resolve_input(client, args.digest, author=args.author)))
         manifest = checkout_dataset(client, digest, Path(args.folder))
     if args.json:
         _print_json(
@@ -100,7 +182,9 @@ def _checkout(args: argparse.Namespace, config: Config, *, connect: Connect) -> 
 
 def _diff(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
     with connect(config) as client:
-        diff = diff_datasets(client, args.old, args.new)
+        old = resolve_input(client, args.old, author=args.author)
+        new = resolve_input(client, args.new, author=args.author)
+        diff = diff_datasets(client, old, new)
     if args.json:
         _print_json(diff.as_json())
         return 0

@@ -18,8 +18,10 @@ from typing import Final
 
 from vault.client import ProvenEntry, VaultClient
 from vault.digest import Digest
-from vault.errors import IntegrityError, InvalidArgument
+from vault.errors import IntegrityError, InvalidArgument, NotFound
 from vault.files import fsync_dir
+from vault.runs.ignore import IgnoreRules
+from vault.runs.names import DATASET, check_name
 from vault.store.hashcache import HashCache
 from vault.store.manifest import (
     MAX_MANIFEST_BYTES,
@@ -76,9 +78,9 @@ class _Listed:
         return self.stat.st_size
 
 
-def _list_tree(root: Path) -> list[_Listed]:
-    """Every regular file under `root`, in walk order; anything that cannot be in a dataset is
-    refused here, before a byte is read or sent."""
+def _list_tree(root: Path, ignore: IgnoreRules | None = None) -> list[_Listed]:
+    """Every regular file under `root` that `ignore` keeps, in walk order; anything that
+    cannot be in a dataset is refused here, before a byte is read or sent."""
     if not root.is_dir():
         raise InvalidArgument(f"dataset {root}: not a folder")
     files: list[_Listed] = []
@@ -89,6 +91,8 @@ def _list_tree(root: Path) -> list[_Listed]:
             children = sorted(it, key=lambda e: e.name)
         for child in children:
             name = prefix + child.name
+            if ignore and ignore.ignores(name, folder=child.is_dir(follow_symlinks=False)):
+                continue
             if child.is_symlink():
                 raise _symlink_error(root, Path(child.path))
             if child.is_dir(follow_symlinks=False):
@@ -162,24 +166,40 @@ def _read_file(root: Path, file: _Listed, *, keep: bool = False) -> tuple[FileEn
 
 @dataclass(frozen=True, slots=True)
 class AddResult:
+    """What `add_dataset` did: the manifest's digest, the bytes it sent, and the pin that
+    names the dataset: the new one, or (`new` false) the one that already did."""
+
     digest: str
     manifest: Manifest
     sent_files: int
     sent_bytes: int
     pin: ProvenEntry
+    new: bool = True
 
 
 def add_dataset(
-    client: VaultClient, root: Path, *, name: str | None = None, cache: HashCache | None = None
+    client: VaultClient,
+    root: Path,
+    *,
+    name: str | None = None,
+    tag: str = "",
+    exclude: Sequence[str] = (),
+    cache: HashCache | None = None,
 ) -> AddResult:
-    """Store the files of `root` the store lacks, then the manifest, and pin the manifest.
+    """Store the files of `root` the store lacks (leaving out what `exclude` and the folder's
+    `.vaultignore` match), then the manifest, and pin the manifest under `name` (by default
+    the folder's name) and `tag`, unless a verified pin of this manifest under that name and
+    tag is already in the ledger: then nothing is appended and that pin is returned.
 
     Small files go in batches, each read once: hashed, looked up (FindMissing) and the missing
     ones sent (put_many) from the same bytes, several batches at a time, so that reading and
     hashing here overlap with the vault storing. Large files are hashed in the same pass and
     sent one by one after. With a `cache` (vault/hashcache.py), a file unchanged since it was
     last hashed is not read again unless the vault lacks it."""
-    groups = _groups(_list_tree(root))
+    name = check_name(name or root.resolve().name or "/")
+    if tag:
+        check_name(tag, "dataset tag")
+    groups = _groups(_list_tree(root, IgnoreRules.load(root, exclude)))
     # The cache knows files by absolute path.
     where = os.path.abspath(root) + os.sep
     lock = threading.Lock()
@@ -248,8 +268,21 @@ def add_dataset(
     data = encode_manifest(manifest)
     digest = f"sha256:{hashlib.sha256(data).hexdigest()}"
     client.put(data, expected=digest)
-    meta = {"name": name or root.resolve().name or "/", "files": str(len(manifest.files))}
-    pin = client.pin("dataset", digest, meta=meta)
+    meta = {"name": name, "files": str(len(manifest.files))}
+    if tag:
+        meta["tag"] = tag
+    try:
+        pins = client.lookup(digest)
+    except NotFound:
+        pins = []
+    for known in pins:
+        entry = known.entry
+        if entry.kind == DATASET and (entry.meta.get("name"), entry.meta.get("tag", "")) == (
+            name,
+            tag,
+        ):
+            return AddResult(digest, manifest, sent_files, sent_bytes, known, new=False)
+    pin = client.pin(DATASET, digest, meta=meta)
     return AddResult(digest, manifest, sent_files, sent_bytes, pin)
 
 
