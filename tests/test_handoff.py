@@ -252,7 +252,9 @@ def test_a_ticket_serves_one_call_of_its_own_kind(
 
         def put(ticket: str, *more: pb.PutRequest, size: int = len(data)) -> pb.PutResponse:
             header = pb.PutRequest(header=pb.PutHeader(handoff=ticket, handoff_size=size))
-            response: pb.PutResponse = store.Put(iter([header, *more]))
+            meant = "sha256:" + hashlib.sha256(data[:size]).hexdigest()
+            commit = pb.PutRequest(commit=pb.PutCommit(size=size, digest=meant))
+            response: pb.PutResponse = store.Put(iter([header, *more, commit]))
             return response
 
         assert put(ticket).blob.sha256 == "sha256:" + hashlib.sha256(data).hexdigest()

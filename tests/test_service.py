@@ -96,6 +96,7 @@ FAILURES: dict[str, tuple[Callable[[Any, Any], Any], grpc.StatusCode, str]] = {
                 [
                     pb.PutRequest(header=pb.PutHeader(expected_digest=STORED_SHA256)),
                     pb.PutRequest(data=b"other bytes"),
+                    pb.PutRequest(commit=pb.PutCommit(size=11, digest=STORED_SHA256)),
                 ]
             )
         ),

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Final
 import blake3
 
 from tiers.hot._layout import CHUNKS_SUFFIX, remove_folder
+from tiers.hot._repair import Damage, damage
 from vault.digest import Digest
 from vault.errors import IntegrityError
 from vault.files import fsync_dir, write_all
@@ -40,6 +41,9 @@ class Batch:
     it is durable. A blob whose bytes do not match its expected digest is refused before
     anything of it is written. On any error the folder and whatever is in it are removed.
 
+    A blob already stored is compared with the bytes brought: a copy damaged on disk is
+    staged like a new blob and, in step 2, replaced (rename(2) over it) instead of linked.
+
     A blob of one chunk gets no chunk-list file: its list holds nothing but its two digests,
     which a read recomputes from the bytes it reads anyway, while a second file per blob
     would double what a batch of small blobs costs the file system (an inode, a page of
@@ -50,8 +54,9 @@ class Batch:
         self._tier = tier
         self._fd, self._path = tier._temp_folder()
         self._results: list[BatchResult | None] = []
-        # Result index and chunk list of each blob written to the folder, by digest.
-        self._staged: dict[Digest, tuple[int, ChunkList]] = {}
+        # Result index and chunk list of each blob written to the folder, by digest, and how
+        # the copy it replaces is damaged (None: there is none).
+        self._staged: dict[Digest, tuple[int, ChunkList, Damage | None]] = {}
         # Folders of blobs found already stored: synced too, in case the put that linked them
         # has not synced them yet (it has not answered yet either), as this batch will answer.
         # Paths are plain strings here: a batch handles thousands of blobs, and pathlib's
@@ -76,31 +81,42 @@ class Batch:
                 return
         name = chunks.sha256.hex
         folder = os.path.join(self._blobs, name[:2])
-        if chunks.sha256 in self._staged or os.path.exists(os.path.join(folder, name)):
+        try:
+            staged = chunks.sha256 in self._staged
+            found = None if staged else _stored_damage(os.path.join(folder, name), chunks)
+            kept = found is None
+        except FileNotFoundError:
+            found, kept = None, False
+        if kept:
             self._folders.add(folder)
             self._results.append((chunks.info, False))
             return
         self._write(name, data)
         if chunks.count > 1:
             self._write(name + CHUNKS_SUFFIX, chunks.encode())
-        self._staged[chunks.sha256] = (len(self._results), chunks)
+        self._staged[chunks.sha256] = (len(self._results), chunks, found)
         self._results.append(None)
 
     def commit(self) -> list[BatchResult]:
         if self._staged and _syncfs is not None:
             _syncfs(self._fd)
         folders = self._folders
-        for index, chunks in self._staged.values():
+        for index, chunks, found in self._staged.values():
             name = chunks.sha256.hex
             folder = os.path.join(self._blobs, name[:2])
             blob = os.path.join(folder, name)
             if chunks.count > 1:
                 os.replace(name + CHUNKS_SUFFIX, blob + CHUNKS_SUFFIX, src_dir_fd=self._fd)
-            try:
-                os.link(name, blob, src_dir_fd=self._fd)
-                created = True
-            except FileExistsError:
-                created = False  # a concurrent put of the same bytes got there first
+            if found is not None:
+                self._tier._note_repairing(chunks.sha256, found)
+                os.replace(name, blob, src_dir_fd=self._fd)
+                created = False
+            else:
+                try:
+                    os.link(name, blob, src_dir_fd=self._fd)
+                    created = True
+                except FileExistsError:
+                    created = False  # a concurrent put of the same bytes got there first
             folders.add(folder)
             self._results[index] = (chunks.info, created)
         if _syncfs is not None and self._staged:
@@ -122,6 +138,26 @@ class Batch:
                 os.fdatasync(fd)
         finally:
             os.close(fd)
+
+
+def _stored_damage(path: str, chunks: ChunkList) -> Damage | None:
+    """How the copy at `path` differs from the small blob `chunks` describes (None: it holds
+    it exactly); FileNotFoundError if there is none. It is read whole: a batch's blobs are
+    small."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        stored = os.pread(fd, chunks.size, 0) if size == chunks.size else b""
+    except OSError as error:
+        return None, f"stored copy of {chunks.sha256} cannot be read: {error.strerror}"
+    finally:
+        os.close(fd)
+    view = memoryview(stored)
+    return damage(
+        chunks,
+        size,
+        (view[at : at + chunks.chunk_size] for at in range(0, size, chunks.chunk_size)),
+    )
 
 
 def _chunk_list_of(data: bytes | memoryview) -> ChunkList:

@@ -22,7 +22,9 @@ from tiers.hot._layout import (
     new_file,
     remove_leftovers,
 )
+from tiers.hot._repair import REWRITTEN, Damage, damage
 from tiers.hot._writer import HotWriter, Pipeline
+from tiers.placements import Journal
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound
 from vault.files import fsync_dir, write_all
@@ -74,9 +76,31 @@ class HotTier(BatchPut):
         # Told of each chunk list rebuilt from its blob's bytes (the list lost or damaged, the
         # bytes sound): the tier manager journals it as a repair.
         self.rebuilt: Callable[[Digest, str], None] | None = None
+        # Told of each damaged copy a put is about to replace with its own bytes, before it
+        # does (the first bad offset, what was found, what is done): journaled as a repair by
+        # the tier manager, or by `journal_repairs` for a hot tier that runs alone.
+        self.repairing: Callable[[Digest, int | None, str, str], None] | None = None
+        # Where a hot tier with no tier manager over it journals, and as which tier: set by
+        # `journal_repairs`, read by the audit of pinned blobs.
+        self.journaled_as: tuple[Path, str] | None = None
 
     def __repr__(self) -> str:
         return f"HotTier({str(self.root)!r})"
+
+    def journal_repairs(self, path: Path, name: str = "hot") -> None:
+        """Journal the repairs puts make, as those of tier `name`, in the tier journal file at
+        `path` (tiers/placements.py): for a hot tier with no tier manager over it to journal
+        them. The journal is opened for each record, as repairs are rare."""
+
+        def record(sha256: Digest, offset: int | None, found: str, action: str) -> None:
+            journal = Journal(path)
+            try:
+                journal.record(sha256, name, offset, found, action)
+            finally:
+                journal.close()
+
+        self.repairing = record
+        self.journaled_as = (path, name)
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -184,6 +208,40 @@ class HotTier(BatchPut):
             self._note_rebuilt(sha256, "chunk list lost" if missing else "chunk list damaged")
         return chunks
 
+    def _damage(self, blob: Path, chunks: ChunkList) -> Damage | None:
+        """Where the copy at `blob` differs from the blob `chunks` describes, read in chunks;
+        FileNotFoundError if there is none."""
+        fd = os.open(blob, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            pieces = self._pieces(fd, 0, min(size, chunks.size), chunks.chunk_size)
+            try:
+                return damage(chunks, size, pieces)
+            finally:
+                pieces.close()
+        finally:
+            os.close(fd)
+
+    def _check_chunk_list(self, blob: Path, chunks: ChunkList) -> None:
+        """Rewrite a chunk list that is lost, damaged or disagrees with the put's, as `verify`
+        would; a one-chunk blob may have none (see Batch)."""
+        try:
+            stored = ChunkList.decode(chunks_path(blob).read_bytes(), chunks.sha256)
+        except (FileNotFoundError, IntegrityError):
+            stored = None
+        if stored != chunks and (stored is not None or chunks.count > 1):
+            self._write_chunk_list(blob, chunks)
+            self._note_rebuilt(
+                chunks.sha256,
+                "chunk list lost" if stored is None else "chunk list disagreed with bytes",
+            )
+
+    def _note_repairing(self, sha256: Digest, found: Damage) -> None:
+        offset, what = found
+        log.warning("hot tier: %s; rewriting it from the bytes of a put", what)
+        if self.repairing is not None:
+            self.repairing(sha256, offset, what, REWRITTEN)
+
     def _note_rebuilt(self, sha256: Digest, found: str) -> None:
         log.warning("hot tier: %s of %s rebuilt from its bytes", found, sha256)
         if self.rebuilt is not None:
@@ -273,13 +331,28 @@ class HotTier(BatchPut):
             os.close(fd)
 
     def _install(self, temp: Pipeline, chunks: ChunkList) -> bool:
-        """Make a temp blob durable and link it into place; False if it was already there."""
+        """Make a temp blob durable and link it into place; False if it was already there. A
+        copy already there is checked against the put's chunk list and, if damaged, replaced
+        by the put's bytes."""
         blob = self._blob_path(chunks.sha256)
         if blob.exists():
-            # The put that linked it may not have synced the folder yet; this one answers
-            # too, so it syncs it (nearly free when there is nothing left to write).
-            fsync_dir(blob.parent)
-            return False
+            try:
+                found = self._damage(blob, chunks)
+            except FileNotFoundError:
+                found = None  # removed meanwhile (moved to another tier): stored anew below
+            else:
+                if found is None:
+                    self._check_chunk_list(blob, chunks)
+                    # The put that linked it may not have synced the folder yet; this one
+                    # answers too, so it syncs it (nearly free when there is nothing to write).
+                    fsync_dir(blob.parent)
+                    return False
+                self._note_repairing(chunks.sha256, found)
+                temp.make_durable(chunks.size)
+                self._write_chunk_list(blob, chunks)
+                os.replace(temp.path, blob)
+                fsync_dir(blob.parent)
+                return False
         temp.make_durable(chunks.size)
         # The chunk list goes first: a blob seen without one would cost a full re-read.
         self._write_chunk_list(blob, chunks)

@@ -151,11 +151,14 @@ class VaultClient:
     ) -> BlobInfo:
         """Write a verified blob (or range) to `path`; the file appears only once verified.
 
-        The bytes go into a new file of a random name beside `path` (created O_EXCL|O_NOFOLLOW,
-        mode 0600, so nothing planted there is followed), renamed onto `path` only once the
-        whole digest matched; on failure only that file is removed. A client on the vault's own
-        host hands the new file to the server, which writes each chunk into it
-        (vault.client.handoff); the client then checks the whole digest of what it reads back.
+        The bytes go into a new file beside `path` (created O_EXCL|O_NOFOLLOW, mode 0600, so
+        nothing planted there is followed), renamed onto `path` only once the whole digest
+        matched; on failure, an interrupt too, only that file is removed. For a whole blob it
+        is named after the digest, and one left by a get killed outright is resumed from: only
+        if this client could have made it, and only its chunks that match the blob's chunk
+        list are kept (vault.client.partial). A client on the vault's own host hands the new
+        file to the server, which writes each chunk into it (vault.client.handoff); the client
+        then checks the whole digest of what it reads back (a resumed get streams the rest).
         `handoff=False` streams; `handoff=True` fails if the handoff cannot be had. A range is
         cut from the whole blob once that is verified (see `open`)."""
         return self._transfer.get(

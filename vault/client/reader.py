@@ -1,5 +1,6 @@
 """Reading a blob from the answer to a Get: a file-like reader that hands on only bytes checked
-against their chunk hashes and, for a whole blob, against its digest."""
+against their chunk hashes and, for a whole blob, against its digest; and a blob's list of chunk
+hashes, which a resumed download checks the bytes it holds against."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import queue
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Final
 
 import blake3
@@ -20,16 +22,18 @@ from vault.errors import IntegrityError
 from vault.wire import pinvault_pb2 as pb
 
 _THREADED_FROM: Final = 4 << 20
+# The BLAKE3-256 of a chunk.
+HASH_SIZE: Final = 32
 
 
-class _BackgroundHash:
+class BackgroundHash:
     """Hashes on its own thread (hashlib and blake3 release the GIL), so that receiving,
     hashing and writing overlap; the bounded queue keeps memory bounded. For fewer than
     `threaded_from` bytes, a thread costs more than it saves, and it hashes as it is fed."""
 
     def __init__(self, algorithm: str, size: int, threaded_from: int = _THREADED_FROM) -> None:
         self._hash: Any = hashlib.sha256() if algorithm == "sha256" else blake3.blake3()
-        self._queue: queue.Queue[bytes | None] | None = None
+        self._queue: queue.Queue[bytes | memoryview | None] | None = None
         self._thread: threading.Thread | None = None
         if size >= threaded_from:
             self._queue = queue.Queue(maxsize=8)
@@ -41,7 +45,8 @@ class _BackgroundHash:
         while (data := self._queue.get()) is not None:
             self._hash.update(data)
 
-    def update(self, data: bytes) -> None:
+    def update(self, data: bytes | memoryview) -> None:
+        """Hash `data` (on the thread: it must not change)."""
         if self._queue is None:
             self._hash.update(data)
         else:
@@ -75,16 +80,8 @@ class BlobReader(io.RawIOBase):
         # The caller's file, handed to the server, which writes each chunk into it instead of
         # sending its bytes; the bytes are read back from it here and checked as if received.
         self._handed_off = handed_off
-        with rpc_errors():
-            first = next(responses, None)
-        if first is None or first.WhichOneof("part") != "header":
-            raise IntegrityError("the server's answer to a get did not start with a header")
-        header = first.header
+        header = _header(responses, requested)
         self.info = BlobInfo.from_wire(header.blob)
-        if requested not in (self.info.sha256, self.info.blake3):
-            raise IntegrityError(
-                f"asked for {requested}, the server answered with {self.info.sha256}"
-            )
         self._start = header.offset
         self._end = header.offset + header.length
         self._chunk_size = header.chunk_size
@@ -92,7 +89,7 @@ class BlobReader(io.RawIOBase):
         if handed_off is not None and not self._whole:
             raise IntegrityError("the server answered a get into a handed-off file with a range")
         self._check_chunks = check_chunks or not self._whole
-        self._hash = _BackgroundHash(requested.algorithm, header.length) if self._whole else None
+        self._hash = BackgroundHash(requested.algorithm, header.length) if self._whole else None
         self._requested = requested
         self._buffer = memoryview(b"")
         self._position = self._start
@@ -165,6 +162,69 @@ class BlobReader(io.RawIOBase):
         while not self._done and self._next_chunk():
             yield self._buffer
             self._buffer = memoryview(b"")
+
+
+def _header(responses: Iterator[pb.GetResponse], requested: Digest) -> pb.GetHeader:
+    """The header that starts the answer to a get, checked to name the blob asked for."""
+    with rpc_errors():
+        first = next(responses, None)
+    if first is None or first.WhichOneof("part") != "header":
+        raise IntegrityError("the server's answer to a get did not start with a header")
+    named = BlobInfo.from_wire(first.header.blob)
+    if requested not in (named.sha256, named.blake3):
+        raise IntegrityError(f"asked for {requested}, the server answered with {named.sha256}")
+    return first.header
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkHashes:
+    """A whole blob's chunk hashes, as the server listed them. They are the server's word
+    until the bytes they check hash to the blob's digest, which the caller must check."""
+
+    info: BlobInfo
+    chunk_size: int
+    hashes: tuple[bytes, ...]
+
+    def span(self, index: int) -> tuple[int, int]:
+        """The byte offset and length of chunk `index`."""
+        offset = index * self.chunk_size
+        return offset, min(self.chunk_size, self.info.size - offset)
+
+
+def read_chunk_hashes(call: Any, requested: Digest) -> ChunkHashes | None:
+    """The chunk hashes of a whole blob from the answer to a Get that asked for them only;
+    None (and the call cancelled) if the server answers with bytes instead: a server that
+    lists no hashes."""
+    header = _header(call, requested)
+    info = BlobInfo.from_wire(header.blob)
+    if header.offset != 0 or header.length != info.size or header.chunk_size <= 0:
+        raise IntegrityError(
+            f"{requested}: the server listed the chunks of bytes {header.offset}+{header.length} "
+            f"in chunks of {header.chunk_size}, not the whole blob"
+        )
+    count = -(-info.size // header.chunk_size)
+    hashes: list[bytes] = []
+    with rpc_errors():
+        for message in call:
+            part = message.WhichOneof("part")
+            if part == "chunk":
+                call.cancel()
+                return None
+            if part != "hashes":
+                raise IntegrityError(f"{requested}: the server's list of chunk hashes is garbled")
+            listed = message.hashes
+            if listed.offset != len(hashes) * header.chunk_size:
+                raise IntegrityError(
+                    f"{requested}: chunk hashes from offset {listed.offset} are out of order"
+                )
+            hashes += listed.hashes
+            if len(hashes) > count or any(len(h) != HASH_SIZE for h in listed.hashes):
+                raise IntegrityError(f"{requested}: the server listed malformed chunk hashes")
+    if len(hashes) != count:
+        raise IntegrityError(
+            f"{requested}: the server listed {len(hashes)} chunk hashes, expected {count}"
+        )
+    return ChunkHashes(info, header.chunk_size, tuple(hashes))
 
 
 def read_all(reader: BlobReader) -> bytes:

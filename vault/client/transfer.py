@@ -9,18 +9,24 @@ import errno
 import hashlib
 import io
 import os
-import secrets
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Final
+from typing import IO, Any, Final
 
 import blake3
 
 from vault.client.channel import rpc_errors
 from vault.client.handoff import HANDOFF_MIN, Mode, hand_off
-from vault.client.reader import BlobReader
+from vault.client.partial import (
+    check_still_ours,
+    create_partial,
+    keep_verified,
+    open_resumable,
+    remove_if_ours,
+)
+from vault.client.reader import BackgroundHash, BlobReader, read_chunk_hashes
 from vault.client.results import BlobInfo, PutResult
 from vault.digest import Digest
 from vault.errors import IntegrityError, InvalidArgument, Unavailable, VaultError
@@ -65,18 +71,31 @@ class Transfer:
 
         def requests(stream: IO[bytes]) -> Iterator[pb.PutRequest]:
             yield pb.PutRequest(header=pb.PutHeader(expected_digest=expected or ""))
-            while True:
-                data = stream.read(PUT_CHUNK)
-                if not data:
-                    return
+            size = 0
+            while data := stream.read(PUT_CHUNK):
                 local.update(data)
+                size += len(data)
                 if progress:
                     progress(len(data))
                 yield pb.PutRequest(data=data)
+            # Only a source read to its end commits the blob; a put stopped before stores nothing.
+            meant = expected or f"blake3:{local.hexdigest()}"
+            yield pb.PutRequest(commit=pb.PutCommit(size=size, digest=meant))
 
-        with _open_source(source) as stream, rpc_errors():
-            response = self._store.Put(requests(stream), timeout=self._timeout)
+        with _open_source(source) as stream:
+            response = self._call(self._store.Put, requests(stream))
         return _stored(response, local.digest())
+
+    def _call(self, method: Any, requests: Iterator[Any]) -> Any:
+        """A client-streaming call that an interrupt (Ctrl-C, or SIGTERM raised as one) cancels
+        at once, before the request stream can reach its commit."""
+        with rpc_errors():
+            call = method.future(requests, timeout=self._timeout)
+            try:
+                return call.result()
+            except BaseException:
+                call.cancel()
+                raise
 
     def _put_handed_off(
         self,
@@ -98,16 +117,21 @@ class Transfer:
             ticket = self._hand_off(fd, "read", required=required)
             if ticket is None:
                 return None
-            # What the client sends is its file: hash it while the server reads it too.
+            # What the client sends is its file: hash it while the server reads it too. The
+            # commit follows once it is hashed.
             local = _FileHash(fd, size)
-            try:
-                header = pb.PutHeader(
-                    expected_digest=expected or "", handoff=ticket, handoff_size=size
-                )
-                with rpc_errors():
-                    response = self._store.Put(
-                        iter([pb.PutRequest(header=header)]), timeout=self._timeout
+
+            def requests() -> Iterator[pb.PutRequest]:
+                yield pb.PutRequest(
+                    header=pb.PutHeader(
+                        expected_digest=expected or "", handoff=ticket, handoff_size=size
                     )
+                )
+                meant = expected or f"blake3:{local.digest().hex()}"
+                yield pb.PutRequest(commit=pb.PutCommit(size=size, digest=meant))
+
+            try:
+                response = self._call(self._store.Put, requests())
             finally:
                 sent = local.digest()
         finally:
@@ -161,15 +185,15 @@ class Transfer:
                         blobs, size = [], 0
                     blobs.append(pb.PutBatchBlob(expected_digest=digest, data=data))
                     size += len(data)
-                if blobs:
-                    yield pb.PutBatchRequest(blobs=blobs)
+                # The last message commits the batch: one stopped before stores none of it.
+                commit = pb.PutBatchCommit(blobs=len(sent), bytes=sum(n for _, n in sent))
+                yield pb.PutBatchRequest(blobs=blobs, commit=commit)
             except BaseException as exc:  # gRPC reports it only as a cancelled call
                 failed.append(exc)
                 raise
 
         try:
-            with rpc_errors():
-                response = self._store.PutBatch(requests(), timeout=self._timeout)
+            response = self._call(self._store.PutBatch, requests())
         except VaultError:
             if failed:
                 raise failed[0] from None
@@ -282,11 +306,11 @@ class Transfer:
                 "a range cannot be handed off: the whole blob is fetched and verified first"
             )
         wanted = Digest.parse(digest)
-        fd, partial = _create_partial(target)
+        fd, partial = open_resumable(target, wanted) if whole else create_partial(target)
         renamed = False
         try:
             if whole:
-                info, _, _ = self._fetch(wanted, fd, handoff=handoff, progress=progress)
+                info = self._fetch_resuming(wanted, fd, handoff=handoff, progress=progress)
             else:
                 # The range is verified only as part of the whole blob (see `open`), spooled
                 # beside the target, on its file system.
@@ -304,14 +328,66 @@ class Transfer:
                 finally:
                     os.close(spool)
             os.fchmod(fd, _new_file_mode())
-            _check_still_ours(fd, partial)
+            check_still_ours(fd, partial)
             os.replace(partial, target)
             renamed = True
         finally:
+            # Any failure, an interrupt too, removes the partial file; only a process killed
+            # outright leaves it, for the next get of the blob to resume from.
             if not renamed:
-                _remove_if_ours(fd, partial)
+                remove_if_ours(fd, partial)
             os.close(fd)
         return info
+
+    def _fetch_resuming(
+        self,
+        wanted: Digest,
+        fd: int,
+        *,
+        handoff: bool | None,
+        progress: Callable[[int], None] | None,
+    ) -> BlobInfo:
+        """Write the whole blob `wanted` into the partial file `fd` and check its digest: from
+        the last of the chunks it already holds that match the blob's chunk list, if any do,
+        else from the start (`_fetch`)."""
+        held = os.fstat(fd).st_size
+        whole = BackgroundHash(wanted.algorithm, held)
+        try:
+            kept = self._keep_verified(wanted, fd, whole.update) if held else 0
+            if kept:
+                if progress:
+                    progress(kept)
+                request = pb.GetRequest(digest=str(wanted), offset=kept)
+                with rpc_errors():
+                    # A range: each chunk is checked against its hash as it comes.
+                    reader = BlobReader(self._store.Get(request, timeout=self._timeout), wanted)
+                os.lseek(fd, kept, os.SEEK_SET)
+                for piece in reader.chunks():
+                    write_all(fd, piece)
+                    whole.update(piece)
+                    if progress:
+                        progress(len(piece))
+        finally:
+            digest = whole.digest()
+        if not kept:
+            os.ftruncate(fd, 0)
+            info, _, _ = self._fetch(wanted, fd, handoff=handoff, progress=progress)
+            return info
+        if digest != wanted.raw or os.fstat(fd).st_size != reader.info.size:
+            raise IntegrityError(
+                f"{wanted}: the download resumed from byte {kept} does not match the digest"
+            )
+        return reader.info
+
+    def _keep_verified(self, wanted: Digest, fd: int, hashed: Callable[[bytes], None]) -> int:
+        """How much of the partial file `fd` matches the blob's chunk list, cut to that; 0
+        when nothing does, or the server lists no chunk hashes."""
+        request = pb.GetRequest(digest=str(wanted), hashes_only=True)
+        with rpc_errors():
+            listed = read_chunk_hashes(self._store.Get(request, timeout=self._timeout), wanted)
+        if listed is None:
+            return 0
+        return keep_verified(fd, listed, hashed)
 
     def _fetch(
         self,
@@ -384,22 +460,6 @@ def _range_of(info: BlobInfo, offset: int, length: int | None) -> tuple[int, int
     return offset, length
 
 
-def _create_partial(target: Path) -> tuple[int, Path]:
-    """A new, empty file (mode 0600) of a random name beside `target`, for its bytes until they
-    are verified. O_EXCL|O_NOFOLLOW: a name planted in the folder (a symlink to a file of the
-    user's) is never followed nor reused."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    for _ in range(16):
-        partial = target.with_name(f".{target.name}.pinvault-partial-{secrets.token_hex(8)}")
-        try:
-            return os.open(partial, flags, 0o600), partial
-        except FileExistsError:
-            continue
-        except OSError as exc:
-            raise InvalidArgument(f"cannot write {target}: {exc.strerror}") from None
-    raise InvalidArgument(f"cannot write {target}: no unused name for its partial file")
-
-
 def _anonymous_file(folder: Path) -> int:
     """A private file with no name (O_TMPFILE, or a random name unlinked at once) in `folder`:
     nothing else can open it, and it disappears with its last descriptor."""
@@ -408,30 +468,9 @@ def _anonymous_file(folder: Path) -> int:
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
             raise InvalidArgument(f"cannot write in {folder}: {exc.strerror}") from None
-    fd, partial = _create_partial(folder / "spool")
-    _remove_if_ours(fd, partial)
+    fd, partial = create_partial(folder / "spool")
+    remove_if_ours(fd, partial)
     return fd
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        named = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (named.st_dev, named.st_ino) == (mine.st_dev, mine.st_ino)
-
-
-def _check_still_ours(fd: int, partial: Path) -> None:
-    if not _same_file(fd, partial):
-        raise InvalidArgument(f"{partial} was replaced while the blob was written into it")
-
-
-def _remove_if_ours(fd: int, partial: Path) -> None:
-    """Unlink `partial` only if the name still holds the file this client created."""
-    if _same_file(fd, partial):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(partial)
 
 
 def _new_file_mode() -> int:

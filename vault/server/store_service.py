@@ -15,6 +15,7 @@ from vault.digest import Digest
 from vault.errors import FailedPrecondition, IntegrityError, InvalidArgument
 from vault.files import pwrite_all
 from vault.ledger.log import Ledger
+from vault.server.blob_audit import BlobAudit
 from vault.server.content import Content, StoredBlob
 from vault.server.edge import Service, abort, client_stream, stream, streaming, unary
 from vault.server.ledger_service import entry_message
@@ -40,6 +41,77 @@ def _blob(blob: StoredBlob) -> pb.BlobInfo:
 # as in ScrubProgress.
 ScrubRunner = Callable[[float | None, Callable[[int, int], None], threading.Event], dict[str, int]]
 _PROGRESS_EVERY: Final = 0.2
+
+
+class _Upload:
+    """One put's messages after its header: bytes (or a handed-off file's), then the commit
+    that must end them. gRPC may tell a stream cut short or cancelled as a plain end, so the
+    end of the stream is not the end of the put: one that ends without its commit raises
+    before anything is stored."""
+
+    def __init__(self, receive: Callable[[], pb.PutRequest | None], header: pb.PutHeader) -> None:
+        self._receive = receive
+        self._expected = Digest.parse(header.expected_digest) if header.expected_digest else None
+        self._meant: Digest | None = None
+
+    def streamed(self, first: pb.PutRequest) -> Iterator[bytes]:
+        """The bytes of a streamed put; `first` is its first message (a header, or bytes)."""
+        size = 0
+        message = self._receive() if first.WhichOneof("part") == "header" else first
+        while message is not None:
+            part = message.WhichOneof("part")
+            if part == "commit":
+                self._commit(message.commit, size)
+                return
+            if part != "data":
+                raise InvalidArgument(
+                    "a put carries one header, first, then only bytes, then its commit"
+                )
+            size += len(message.data)
+            yield message.data
+            message = self._receive()
+        raise self._uncommitted(size)
+
+    def handed_off(self, data: Iterator[bytes]) -> Iterator[bytes]:
+        """The bytes of a handed-off file, then the commit, which is all the call carries."""
+        size = 0
+        for piece in data:
+            size += len(piece)
+            yield piece
+        message = self._receive()
+        if message is None:
+            raise self._uncommitted(size)
+        if message.WhichOneof("part") != "commit":
+            raise InvalidArgument("a put of a handed-off file carries no bytes of its own")
+        self._commit(message.commit, size)
+
+    def meant(self) -> Digest:
+        """The digest the bytes must have, from the commit; asked once they are all in."""
+        assert self._meant is not None, "asked before the put's commit"
+        return self._meant
+
+    def _commit(self, commit: pb.PutCommit, size: int) -> None:
+        if commit.size != size:
+            raise InvalidArgument(
+                f"the put's commit says {commit.size} bytes, but {size} came; nothing was stored"
+            )
+        if not commit.digest:
+            raise InvalidArgument("the put's commit names no digest; nothing was stored")
+        meant = Digest.parse(commit.digest)
+        if self._expected is not None and meant != self._expected:
+            raise InvalidArgument(
+                f"the put's header expects {self._expected} but its commit names {meant}"
+            )
+        if self._receive() is not None:
+            raise InvalidArgument("a put's commit must be its last message")
+        self._meant = meant
+
+    def _uncommitted(self, size: int) -> FailedPrecondition:
+        return FailedPrecondition(
+            f"the put ended after {size} bytes without its commit message (the size and "
+            "digest the client meant): it was cut short, or the client is older than this "
+            "vault; nothing was stored"
+        )
 
 
 class StoreService(Service, rpc.StoreServicer):
@@ -78,36 +150,14 @@ class StoreService(Service, rpc.StoreServicer):
         first = receive()
         if first is None:
             raise InvalidArgument("empty put: no header and no bytes")
-        expected = None
-        leading: list[bytes] = []
-        if first.WhichOneof("part") == "header":
-            if first.header.expected_digest:
-                expected = Digest.parse(first.header.expected_digest)
-            if first.header.handoff:
-                return self._put_handed_off(first.header, expected, receive)
-        else:
-            leading.append(first.data)
-
-        def data() -> Iterator[bytes]:
-            yield from leading
-            while (message := receive()) is not None:
-                if message.WhichOneof("part") != "data":
-                    raise InvalidArgument("a put carries one header, first, then only bytes")
-                yield message.data
-
-        return self.content.put(data(), expected)
-
-    def _put_handed_off(
-        self,
-        header: pb.PutHeader,
-        expected: Digest | None,
-        receive: Callable[[], pb.PutRequest | None],
-    ) -> tuple[StoredBlob, bool]:
-        fd = self._claim(header.handoff, "read")
-        if receive() is not None:
-            os.close(fd)
-            raise InvalidArgument("a put of a handed-off file carries no bytes of its own")
-        return self.content.put(read_handed_off(fd, header.handoff_size), expected)
+        header = first.header if first.WhichOneof("part") == "header" else pb.PutHeader()
+        upload = _Upload(receive, header)
+        if header.handoff:
+            fd = self._claim(header.handoff, "read")
+            return self.content.put(
+                upload.handed_off(read_handed_off(fd, header.handoff_size)), upload.meant
+            )
+        return self.content.put(upload.streamed(first), upload.meant)
 
     # A blob this small is read whole in one trip to a worker thread and sent at once: the
     # round trips between the loop and a streaming producer would cost more than its bytes.
@@ -135,6 +185,9 @@ class StoreService(Service, rpc.StoreServicer):
 
     def _get(self, request: pb.GetRequest, blob: StoredBlob) -> Iterator[pb.GetResponse]:
         length = request.length if request.HasField("length") else None
+        if request.hashes_only:
+            yield from self._chunk_hashes(request, blob, length)
+            return
         target = self._claim(request.handoff, "write") if request.handoff else None
         try:
             length, chunks = self.content.read(blob, request.offset, length)
@@ -159,6 +212,34 @@ class StoreService(Service, rpc.StoreServicer):
             if target is not None:
                 os.close(target)
 
+    # Chunk hashes a message: 128 KiB of them.
+    HASHES_PER_MESSAGE: Final = 4096
+
+    def _chunk_hashes(
+        self, request: pb.GetRequest, blob: StoredBlob, length: int | None
+    ) -> Iterator[pb.GetResponse]:
+        """The hashes of the chunks covering the range, from the blob's chunk list: no byte
+        of the blob is read."""
+        if request.handoff:
+            raise InvalidArgument("a get of chunk hashes carries no bytes: it takes no ticket")
+        chunks = self.content.store.chunk_list(blob.info.sha256)
+        wanted = chunks.chunk_range(request.offset, length)
+        yield pb.GetResponse(
+            header=pb.GetHeader(
+                blob=_blob(blob),
+                chunk_size=chunks.chunk_size,
+                offset=request.offset,
+                length=chunks.size - request.offset if length is None else length,
+            )
+        )
+        for first in range(wanted.start, wanted.stop, self.HASHES_PER_MESSAGE):
+            last = min(first + self.HASHES_PER_MESSAGE, wanted.stop)
+            yield pb.GetResponse(
+                hashes=pb.ChunkHashes(
+                    offset=chunks.span(first)[0], hashes=chunks.hashes[first:last]
+                )
+            )
+
     @unary
     def Stat(self, request: pb.StatRequest) -> pb.StatResponse:
         blob = self.content.get(Digest.parse(request.digest))
@@ -180,16 +261,16 @@ class StoreService(Service, rpc.StoreServicer):
     def VerifyBlobs(
         self, request: pb.VerifyBlobsRequest, context: Any
     ) -> Iterator[pb.VerifyBlobsProgress]:
-        pinned = self.content.pinned_digests()
+        audit = BlobAudit(self.content)
         total_bytes = 0
-        for checked, digest in enumerate(pinned, start=1):
-            result = self.content.check(digest)
+        for checked, result in enumerate(audit, start=1):
+            digest = result.digest
             total_bytes += result.size
             # After the check, which refreshed each copy's time of verification.
             copies, repairs = self.content.placements(digest)
             yield pb.VerifyBlobsProgress(
                 checked=checked,
-                total=len(pinned),
+                total=audit.total,
                 bytes=total_bytes,
                 failed_digest=digest if result.failure else "",
                 failure=result.failure,
@@ -199,7 +280,7 @@ class StoreService(Service, rpc.StoreServicer):
                 ],
                 repairs=repairs,
             )
-        if not pinned:
+        if not audit.total:
             yield pb.VerifyBlobsProgress(checked=0, total=0)
 
     @streaming
@@ -296,5 +377,27 @@ class StoreService(Service, rpc.StoreServicer):
                         )
                     expected = blob.expected_digest
                     yield data, Digest.parse(expected) if expected else None
+                if committed(message, count, total):
+                    return
+            raise FailedPrecondition(
+                f"the batch ended after {count} blobs without its commit message (the count "
+                "of blobs and bytes sent): it was cut short, or the client is older than this "
+                "vault; nothing of it was stored"
+            )
+
+        def committed(message: pb.PutBatchRequest, count: int, total: int) -> bool:
+            """Whether `message` ends the batch, once the rest of it has been counted: its
+            commit must match what came, and nothing may follow it."""
+            if not message.HasField("commit"):
+                return False
+            commit = message.commit
+            if (commit.blobs, commit.bytes) != (count, total):
+                raise InvalidArgument(
+                    f"the batch's commit says {commit.blobs} blobs of {commit.bytes} bytes, "
+                    f"but {count} blobs of {total} bytes came; nothing of it was stored"
+                )
+            if receive() is not None:
+                raise InvalidArgument("a batch's commit must be its last message")
+            return True
 
         return self.content.put_many(blobs())

@@ -200,11 +200,15 @@ def put_bytes(store: BlobStore, data: bytes, *, expected: Digest | None = None) 
 def put_many(store: BlobStore, blobs: Iterable[BatchBlob]) -> list[BatchResult]:
     """Store many small blobs: in one batch where the store takes batches (BatchPut), else one
     writer per blob. Each result is the blob's info and whether it was newly stored, or the
-    IntegrityError that refused it; every stored blob is durable when this returns."""
+    IntegrityError that refused it; every stored blob is durable when this returns.
+
+    Nothing is stored unless `blobs` can be iterated to its end: a batch store stages every
+    blob before it links any, and for any other store the blobs are all taken in first, so
+    that a batch whose source fails half-way (a stream cut short) leaves none of them."""
     if isinstance(store, BatchPut):
         return store.put_batch(blobs)
     results: list[BatchResult] = []
-    for data, expected in blobs:
+    for data, expected in list(blobs):
         with store.writer() as writer:
             writer.write(data)
             try:

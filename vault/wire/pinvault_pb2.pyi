@@ -152,25 +152,59 @@ class PutHeader(_message.Message):
 Global___PutHeader: _TypeAlias = PutHeader  # noqa: Y015
 
 @_typing.final
+class PutCommit(_message.Message):
+    """The last message of a put: what the client meant to store. The blob is stored only once
+    this arrives and the bytes match it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SIZE_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    size: _builtins.int
+    """The bytes sent (for a handed-off file: `handoff_size`)."""
+    digest: _builtins.str
+    """The digest the bytes must have, sha256 or blake3: the header's expected digest if it
+    names one (then the two must be equal), else the client's own hash of what it sent.
+    """
+    def __init__(
+        self,
+        *,
+        size: _builtins.int = ...,
+        digest: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutCommit: _TypeAlias = PutCommit  # noqa: Y015
+
+@_typing.final
 class PutRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HEADER_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
     data: _builtins.bytes
     @_builtins.property
     def header(self) -> Global___PutHeader: ...
+    @_builtins.property
+    def commit(self) -> Global___PutCommit: ...
     def __init__(
         self,
         *,
         header: Global___PutHeader | None = ...,
         data: _builtins.bytes = ...,
+        commit: Global___PutCommit | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "part", b"part"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "data", b"data", "header", b"header", "part", b"part"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "part", b"part"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "data", b"data", "header", b"header", "part", b"part"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "data"]  # noqa: Y015
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "data", "commit"]  # noqa: Y015
     _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
 
@@ -237,12 +271,17 @@ class GetRequest(_message.Message):
     OFFSET_FIELD_NUMBER: _builtins.int
     LENGTH_FIELD_NUMBER: _builtins.int
     HANDOFF_FIELD_NUMBER: _builtins.int
+    HASHES_ONLY_FIELD_NUMBER: _builtins.int
     digest: _builtins.str
     offset: _builtins.int
     length: _builtins.int
     handoff: _builtins.str
     """A ticket for a file handed off for writing (whole blobs only): the server writes each
     verified chunk into it at the chunk's offset, and the chunk messages carry no data.
+    """
+    hashes_only: _builtins.bool
+    """Answer with the hashes of the chunks covering the range, in ChunkHashes messages, and no
+    bytes: what a client resuming a download checks the bytes it already holds against.
     """
     def __init__(
         self,
@@ -251,10 +290,11 @@ class GetRequest(_message.Message):
         offset: _builtins.int = ...,
         length: _builtins.int | None = ...,
         handoff: _builtins.str = ...,
+        hashes_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_length", b"_length", "length", b"length"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_length", b"_length", "digest", b"digest", "handoff", b"handoff", "length", b"length", "offset", b"offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_length", b"_length", "digest", b"digest", "handoff", b"handoff", "hashes_only", b"hashes_only", "length", b"length", "offset", b"offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__length: _TypeAlias = _typing.Literal["length"]  # noqa: Y015
     _WhichOneofArgType__length: _TypeAlias = _typing.Literal["_length", b"_length"]  # noqa: Y015
@@ -319,26 +359,56 @@ class Chunk(_message.Message):
 Global___Chunk: _TypeAlias = Chunk  # noqa: Y015
 
 @_typing.final
+class ChunkHashes(_message.Message):
+    """The BLAKE3-256 of consecutive chunks, from the blob's chunk list, without their bytes."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFSET_FIELD_NUMBER: _builtins.int
+    HASHES_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    """The offset of the first of them."""
+    @_builtins.property
+    def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        offset: _builtins.int = ...,
+        hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChunkHashes: _TypeAlias = ChunkHashes  # noqa: Y015
+
+@_typing.final
 class GetResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HEADER_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
+    HASHES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def header(self) -> Global___GetHeader: ...
     @_builtins.property
     def chunk(self) -> Global___Chunk: ...
+    @_builtins.property
+    def hashes(self) -> Global___ChunkHashes: ...
     def __init__(
         self,
         *,
         header: Global___GetHeader | None = ...,
         chunk: Global___Chunk | None = ...,
+        hashes: Global___ChunkHashes | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "hashes", b"hashes", "header", b"header", "part", b"part"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "hashes", b"hashes", "header", b"header", "part", b"part"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "chunk", "hashes"]  # noqa: Y015
     _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
 
@@ -1480,22 +1550,55 @@ class PutBatchBlob(_message.Message):
 Global___PutBatchBlob: _TypeAlias = PutBatchBlob  # noqa: Y015
 
 @_typing.final
-class PutBatchRequest(_message.Message):
-    """A batch is a stream of these, each carrying whole blobs; a blob never spans two messages."""
+class PutBatchCommit(_message.Message):
+    """The end of a batch: what the client sent. The batch is stored only once this arrives and
+    matches what came before it.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     BLOBS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    blobs: _builtins.int
+    """The blobs of the whole batch, and their bytes."""
+    bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        blobs: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blobs", b"blobs", "bytes", b"bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutBatchCommit: _TypeAlias = PutBatchCommit  # noqa: Y015
+
+@_typing.final
+class PutBatchRequest(_message.Message):
+    """A batch is a stream of these, each carrying whole blobs; a blob never spans two messages.
+    The last one carries the commit (with or without blobs of its own).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOBS_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def blobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PutBatchBlob]: ...
+    @_builtins.property
+    def commit(self) -> Global___PutBatchCommit: ...
     def __init__(
         self,
         *,
         blobs: _abc.Iterable[Global___PutBatchBlob] | None = ...,
+        commit: Global___PutBatchCommit | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blobs", b"blobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blobs", b"blobs", "commit", b"commit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

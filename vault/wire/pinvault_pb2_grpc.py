@@ -84,7 +84,8 @@ class StoreServicer:
     """
 
     def Put(self, request_iterator, context):
-        """Streams bytes in; answers once the blob is durable. The first message is a header.
+        """Streams bytes in; answers once the blob is durable. The first message is a header, the
+        last a commit: a stream that ends without one (cut short, cancelled) stores nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -119,7 +120,8 @@ class StoreServicer:
 
     def PutBatch(self, request_iterator, context):
         """Many small blobs in one call, stored with shared syncs; answers once every stored one is
-        durable, with one result per blob in the order sent.
+        durable, with one result per blob in the order sent. The last message carries a commit:
+        a stream that ends without one stores none of its blobs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -36,7 +36,9 @@ class StoreStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> StoreAsyncStub: ...
     Put: _grpc.StreamUnaryMultiCallable[_pinvault_pb2.PutRequest, _pinvault_pb2.PutResponse]
-    """Streams bytes in; answers once the blob is durable. The first message is a header."""
+    """Streams bytes in; answers once the blob is durable. The first message is a header, the
+    last a commit: a stream that ends without one (cut short, cancelled) stores nothing.
+    """
     Get: _grpc.UnaryStreamMultiCallable[_pinvault_pb2.GetRequest, _pinvault_pb2.GetResponse]
     """Streams whole verified chunks covering [offset, offset+length); the first message is a header."""
     Stat: _grpc.UnaryUnaryMultiCallable[_pinvault_pb2.StatRequest, _pinvault_pb2.StatResponse]
@@ -46,7 +48,8 @@ class StoreStub:
     """Re-hashes every pinned blob against its digest; streams progress and failures."""
     PutBatch: _grpc.StreamUnaryMultiCallable[_pinvault_pb2.PutBatchRequest, _pinvault_pb2.PutBatchResponse]
     """Many small blobs in one call, stored with shared syncs; answers once every stored one is
-    durable, with one result per blob in the order sent.
+    durable, with one result per blob in the order sent. The last message carries a commit:
+    a stream that ends without one stores none of its blobs.
     """
     Handoff: _grpc.UnaryUnaryMultiCallable[_pinvault_pb2.HandoffRequest, _pinvault_pb2.HandoffInfo]
     """Where a client on this host hands files to the server (see vault/handoff.py): a Put or
@@ -64,7 +67,9 @@ class StoreAsyncStub(StoreStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Put: _aio.StreamUnaryMultiCallable[_pinvault_pb2.PutRequest, _pinvault_pb2.PutResponse]  # type: ignore[assignment]
-    """Streams bytes in; answers once the blob is durable. The first message is a header."""
+    """Streams bytes in; answers once the blob is durable. The first message is a header, the
+    last a commit: a stream that ends without one (cut short, cancelled) stores nothing.
+    """
     Get: _aio.UnaryStreamMultiCallable[_pinvault_pb2.GetRequest, _pinvault_pb2.GetResponse]  # type: ignore[assignment]
     """Streams whole verified chunks covering [offset, offset+length); the first message is a header."""
     Stat: _aio.UnaryUnaryMultiCallable[_pinvault_pb2.StatRequest, _pinvault_pb2.StatResponse]  # type: ignore[assignment]
@@ -74,7 +79,8 @@ class StoreAsyncStub(StoreStub):
     """Re-hashes every pinned blob against its digest; streams progress and failures."""
     PutBatch: _aio.StreamUnaryMultiCallable[_pinvault_pb2.PutBatchRequest, _pinvault_pb2.PutBatchResponse]  # type: ignore[assignment]
     """Many small blobs in one call, stored with shared syncs; answers once every stored one is
-    durable, with one result per blob in the order sent.
+    durable, with one result per blob in the order sent. The last message carries a commit:
+    a stream that ends without one stores none of its blobs.
     """
     Handoff: _aio.UnaryUnaryMultiCallable[_pinvault_pb2.HandoffRequest, _pinvault_pb2.HandoffInfo]  # type: ignore[assignment]
     """Where a client on this host hands files to the server (see vault/handoff.py): a Put or
@@ -95,7 +101,9 @@ class StoreServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_pinvault_pb2.PutRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_pinvault_pb2.PutResponse, _abc.Awaitable[_pinvault_pb2.PutResponse]]:
-        """Streams bytes in; answers once the blob is durable. The first message is a header."""
+        """Streams bytes in; answers once the blob is durable. The first message is a header, the
+        last a commit: a stream that ends without one (cut short, cancelled) stores nothing.
+        """
 
     @_abc_1.abstractmethod
     def Get(
@@ -135,7 +143,8 @@ class StoreServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_pinvault_pb2.PutBatchResponse, _abc.Awaitable[_pinvault_pb2.PutBatchResponse]]:
         """Many small blobs in one call, stored with shared syncs; answers once every stored one is
-        durable, with one result per blob in the order sent.
+        durable, with one result per blob in the order sent. The last message carries a commit:
+        a stream that ends without one stores none of its blobs.
         """
 
     @_abc_1.abstractmethod
