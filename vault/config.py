@@ -4,6 +4,7 @@ server, the `vault` command and the run library inside a job all read it here.""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Final
 
-from vault.errors import InvalidArgument
+from vault.errors import ConfigError, InvalidArgument
 
 # What a job carries in its environment: its pins, and what admission answered
 # (docs/run-manifest.md). They are the job's, not the `vault` command's configuration, which
@@ -278,8 +279,10 @@ class Config:
 
 
 _SECTIONS = {f.name: f for f in fields(Config) if f.name != "data_dir"}
+_YEAR: Final = 365 * 86_400.0
 
-# The range each numeric setting must lie in, from its lowest to its highest value.
+# The range each numeric setting must lie in, from its lowest to its highest value; a test
+# checks that every numeric setting has one. Not a number and infinities lie in none.
 _RANGES: Final[Mapping[str, tuple[float, float]]] = {
     "server.workers": (1, 4096),
     "server.max_streams": (1, 65_536),
@@ -287,8 +290,55 @@ _RANGES: Final[Mapping[str, tuple[float, float]]] = {
     "server.stream_idle_timeout": (0.1, 86_400.0),
     "server.failed_auth_burst": (1, 1_000_000),
     "server.failed_auth_rate": (0.001, 1_000_000.0),
+    "ledger.checkpoint_interval": (0.01, 86_400.0),
+    "ledger.commit_window": (0.0, 1.0),
+    "admission.verify_interval": (0.0, _YEAR),
+    "admission.replays_per_team": (0, 10_000),
+    "admission.replay_lease": (0.1, _YEAR),
     "admission.max_manifest_bytes": (1024, 256 * 1024 * 1024),
+    "client.timeout": (0.001, 86_400.0),
+    "mirrors.replicas": (1, 64),
+    "mirrors.connect_timeout": (0.1, 3600.0),
+    "mirrors.read_timeout": (0.1, 3600.0),
+    "mirrors.attempts": (1, 100),
+    "mirrors.retry_min": (0.01, 86_400.0),
+    "mirrors.retry_max": (0.01, 86_400.0),
+    "policy.migrate_interval": (0.1, _YEAR),
+    "policy.warm_after_unread_days": (0.0, 36_500.0),
+    "policy.cold_after_days": (0.0, 36_500.0),
+    "policy.hot_max_bytes": (0, 1 << 60),
+    "policy.hot_high_water": (0.01, 1.0),
+    "policy.hot_capacity_bytes": (0, 1 << 60),
+    "policy.min_copies": (1, 64),
+    "policy.scrub_window_days": (0.001, 36_500.0),
+    "policy.scrub_rate_mb_s": (0.0, 1_000_000.0),
 }
+# Settings whose 0 means none or off, allowed beside their range.
+_ZERO_IS_OFF: Final = frozenset(
+    {"client.timeout", "policy.migrate_interval", "policy.scrub_window_days"}
+)
+
+
+def _check_range(where: str, key: str, value: float, given: Any) -> None:
+    """Refuse `value` (as `given`) unless it lies in the range of setting `key`."""
+    low, high = _RANGES[key]
+    if key in _ZERO_IS_OFF and value == 0:
+        return
+    if math.isfinite(value) and low <= value <= high:
+        return
+    off = "0 (off) or " if key in _ZERO_IS_OFF else ""
+    raise ConfigError(
+        f"config {where}: expected {off}{_number(low)} to {_number(high)}, found {_shown(given)}"
+    )
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:40]}…"
 
 
 def _coerce(where: str, value: Any, default: Any) -> Any:
@@ -304,16 +354,16 @@ def _coerce(where: str, value: Any, default: Any) -> Any:
         if isinstance(value, str) and re.fullmatch(r"-?\d+", value):
             return int(value)
     elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
             try:
                 return float(value)
+            except OverflowError:  # an integer past any float: out of every range
+                return math.inf if int(value) > 0 else -math.inf
             except ValueError:
                 pass
     elif kind is str and isinstance(value, str):
         return value
-    raise InvalidArgument(f"config {where}: expected {kind.__name__}, found {value!r}")
+    raise ConfigError(f"config {where}: expected {kind.__name__}, found {_shown(value)}")
 
 
 def apply(config: Config, values: Mapping[str, Any], source: str) -> Config:
@@ -323,29 +373,25 @@ def apply(config: Config, values: Mapping[str, Any], source: str) -> Config:
             top["data_dir"] = _coerce(f"{source}: data_dir", value, "")
             continue
         if key not in _SECTIONS:
-            raise InvalidArgument(
+            raise ConfigError(
                 f"unknown config key {key!r} in {source} "
                 f"(known: data_dir, {', '.join(sorted(_SECTIONS))})"
             )
         if not isinstance(value, Mapping):
-            raise InvalidArgument(f"config [{key}] in {source} must be a table")
+            raise ConfigError(f"config [{key}] in {source} must be a table")
         section = getattr(config, key)
         known = {f.name: f for f in fields(section)}
         changes = {}
         for name, item in value.items():
             if name not in known:
-                raise InvalidArgument(
+                raise ConfigError(
                     f"unknown config key '{key}.{name}' in {source} "
                     f"(known in [{key}]: {', '.join(sorted(known))})"
                 )
             where = f"{source}: {key}.{name}"
             changes[name] = _coerce(where, item, getattr(section, name))
-            bounds = _RANGES.get(f"{key}.{name}")
-            if bounds is not None and not bounds[0] <= changes[name] <= bounds[1]:
-                raise InvalidArgument(
-                    f"config {where}: expected {bounds[0]:g} to {bounds[1]:g}, "
-                    f"found {changes[name]!r}"
-                )
+            if f"{key}.{name}" in _RANGES:
+                _check_range(where, f"{key}.{name}", changes[name], item)
         top[key] = replace(section, **changes)
     return replace(config, **top)
 
@@ -360,9 +406,15 @@ def load(path: str | None = None, environ: Mapping[str, str] | None = None) -> C
             with open(file, "rb") as f:
                 values = tomllib.load(f)
         except OSError as exc:
-            raise InvalidArgument(f"cannot read config file {file}: {exc.strerror}") from None
+            raise ConfigError(f"cannot read config file {file}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            line = exc.object[: exc.start].count(b"\n") + 1
+            raise ConfigError(
+                f"config file {file} is not TOML text: line {line} holds byte "
+                f"0x{exc.object[exc.start]:02x}, which is not UTF-8"
+            ) from None
         except tomllib.TOMLDecodeError as exc:
-            raise InvalidArgument(f"config file {file} is not valid TOML: {exc}") from None
+            raise ConfigError(f"config file {file} is not valid TOML: {exc}") from None
         config = apply(config, values, str(file))
     for name, value in sorted(env.items()):
         if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV or name in JOB_VARIABLES:
@@ -375,7 +427,7 @@ def load(path: str | None = None, environ: Mapping[str, str] | None = None) -> C
             continue
         section, _, item = key.partition("_")
         if section not in _SECTIONS:
-            raise InvalidArgument(
+            raise ConfigError(
                 f"unknown environment variable {name} (known: {CONFIG_ENV}, "
                 f"{ENV_PREFIX}DATA_DIR, "
                 + ", ".join(f"{ENV_PREFIX}{s.upper()}_*" for s in _SECTIONS)
@@ -383,7 +435,7 @@ def load(path: str | None = None, environ: Mapping[str, str] | None = None) -> C
             )
         known = [f.name for f in fields(getattr(config, section))]
         if item not in known:
-            raise InvalidArgument(
+            raise ConfigError(
                 f"unknown environment variable {name} (known for [{section}]: "
                 + ", ".join(f"{ENV_PREFIX}{section.upper()}_{k.upper()}" for k in known)
                 + ")"

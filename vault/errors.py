@@ -4,7 +4,12 @@ only at the transport edge (`vault.server.edge`), errors again in the client
 
 from __future__ import annotations
 
-from typing import ClassVar
+import errno
+import os
+import shutil
+from typing import ClassVar, Final
+
+from vault.files import size_text
 
 
 class VaultError(Exception):
@@ -18,6 +23,11 @@ class InvalidArgument(VaultError):
     """The caller sent something malformed: a bad digest, an unknown kind, oversized metadata."""
 
     status = "INVALID_ARGUMENT"
+
+
+class ConfigError(InvalidArgument):
+    """The configuration (its file, a PINVAULT_* variable, a command-line option) is unreadable,
+    names an unknown key, or holds a value of the wrong type or out of its range."""
 
 
 class NotFound(VaultError):
@@ -61,10 +71,14 @@ class Unavailable(VaultError):
     status = "UNAVAILABLE"
 
 
-class QuotaExceeded(VaultError):
-    """A team asked for more than its share (replays running at once)."""
+class ResourceExhausted(VaultError):
+    """The vault has run out of something the call needs: room on a disk, a stream slot."""
 
     status = "RESOURCE_EXHAUSTED"
+
+
+class QuotaExceeded(ResourceExhausted):
+    """A team asked for more than its share (replays running at once)."""
 
 
 class Unauthenticated(VaultError):
@@ -77,3 +91,29 @@ class PermissionDenied(VaultError):
     """The caller is known but its role or team does not allow this."""
 
     status = "PERMISSION_DENIED"
+
+
+# What an operating system says when a write finds no room: the disk, or the user's quota on
+# it, is full.
+DISK_FULL_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def is_disk_full(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS
+
+
+class DiskFull(ResourceExhausted):
+    """A write found no room on the disk that holds `folder`. The vault goes on serving reads,
+    and its writes work again as soon as space is freed there."""
+
+    def __init__(self, folder: str | os.PathLike[str], *, needed: int) -> None:
+        self.folder = os.fspath(folder)
+        self.needed = needed
+        try:
+            free = f"{size_text(shutil.disk_usage(self.folder).free)} free"
+        except OSError:
+            free = "free space unknown"
+        super().__init__(
+            f"no space left on the disk holding {self.folder} ({free}, at least "
+            f"{size_text(needed)} needed): free space there and retry"
+        )

@@ -4,6 +4,7 @@ write to the ledger but an append."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -27,10 +28,10 @@ from sqlalchemy import (
     event,
     text,
 )
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, ExceptionContext, make_url
 from sqlalchemy.pool import NullPool
 
-from vault.errors import VaultError
+from vault.errors import DiskFull, ResourceExhausted, VaultError
 
 SCHEMA_VERSION: Final = 3
 
@@ -121,6 +122,32 @@ _SQLITE_BOUND_VALUES: Final = 32_766 if sqlite3.sqlite_version_info >= (3, 32) e
 
 class SchemaError(VaultError):
     """The database holds a schema this version of pinvault cannot use."""
+
+
+# What a write that found its disk full looks like from each engine: SQLite's result codes (a
+# page that could not be written; the shared-memory index that could not grow, when a database
+# is opened) and PostgreSQL's SQLSTATE. SQLite writes whole pages, of the default size here.
+_SQLITE_NO_ROOM: Final = {sqlite3.SQLITE_FULL: 4096, sqlite3.SQLITE_IOERR_SHMSIZE: 32 * 1024}
+_POSTGRES_DISK_FULL: Final = "53100"
+
+
+def disk_full(url: str, error: BaseException) -> ResourceExhausted | None:
+    """`error` as ResourceExhausted naming where room is lacking, if it says the database's
+    disk is full; None for any other error."""
+    cause = getattr(error, "orig", None) or error
+    code = getattr(cause, "sqlite_errorcode", None)
+    if code is not None:
+        needed = _SQLITE_NO_ROOM.get(code)
+        path = make_url(url).database
+        if needed is None or not path or path == ":memory:":
+            return None
+        return DiskFull(os.path.dirname(os.path.abspath(path)), needed=needed)
+    if getattr(cause, "sqlstate", None) == _POSTGRES_DISK_FULL:
+        shown = make_url(url).render_as_string(hide_password=True)
+        return ResourceExhausted(
+            f"the disk of the PostgreSQL server {shown} is full: free space there and retry"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -237,11 +264,14 @@ class Writer:
             cursor.execute("BEGIN IMMEDIATE" if self._db.is_sqlite else "BEGIN")
             yield Transaction(cursor, self._db.is_sqlite)
             cursor.execute("COMMIT")
-        except BaseException:
+        except BaseException as exc:
             try:
                 cursor.execute("ROLLBACK")
             except Exception:
                 self.close()  # a connection that cannot roll back is not reused
+            full = disk_full(self._db.url, exc)
+            if full is not None:
+                raise full from exc
             raise
         finally:
             with suppress(Exception):
@@ -266,6 +296,9 @@ def open_database(url: str, *, create: bool = True) -> Database:
     else:
         read = create_engine(url, pool_size=8, max_overflow=64, pool_pre_ping=True)
         write = create_engine(url, pool_size=2, max_overflow=2, pool_pre_ping=True)
+    for engine in (read, write):
+        # Every statement through SQLAlchemy: a full disk is told as such, not as a driver error.
+        event.listen(engine, "handle_error", lambda context: _on_error(url, context))
     db = Database(url=url, read=read, write=write)
     try:
         migrate(db, create=create)
@@ -273,6 +306,10 @@ def open_database(url: str, *, create: bool = True) -> Database:
         db.dispose()
         raise
     return db
+
+
+def _on_error(url: str, context: ExceptionContext) -> BaseException | None:
+    return disk_full(url, context.original_exception)
 
 
 def _sqlite_engine(url: str, *, immediate: bool) -> Engine:

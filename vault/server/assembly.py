@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Final
 
 from tiers.placements import JOURNAL_FILE_NAME
 from vault.config import Config
-from vault.errors import InvalidArgument
+from vault.errors import InvalidArgument, is_disk_full
 from vault.store.protocol import BlobStore, Closing
 
 # The tier and mirror modules (and botocore under them) load only when a store needs them: a
@@ -55,7 +55,18 @@ def hot_capacity(config: Config) -> Callable[[], int]:
 def open_hot_tier(config: Config) -> HotTier:
     from tiers.hot import HotTier
 
-    return HotTier(config.hot_path)
+    try:
+        return HotTier(config.hot_path)
+    except OSError as exc:
+        # Asking whether the folder takes direct writes costs a block, which a full disk
+        # lacks; the vault still starts, to serve reads, and writes through the page cache.
+        if not is_disk_full(exc):
+            raise
+        log.warning(
+            "the disk holding %s is full: no direct I/O for the hot tier until a restart",
+            config.hot_path,
+        )
+        return HotTier(config.hot_path, direct_io=False)
 
 
 def open_mirror_set(config: Config, *, probe: bool = False) -> MirrorSet:
@@ -168,6 +179,8 @@ def open_content_store(config: Config) -> BlobStore:
         log.info("warm tier %s", config.store.warm_dir)
         return open_tiered_store(config, hot)
     if not mirrors_configured(config):
+        # No tier manager journals its repairs: it does so itself.
+        hot.journal_repairs(config.data_path / JOURNAL_FILE_NAME)
         return hot
     store = open_replicating_store(config, hot, promote=config.policy.promote_on_read)
     log.info(

@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Final
 
 from sqlalchemy import select, text
 
 from vault.digest import Digest, check_digest
-from vault.errors import IntegrityError, InvalidArgument, NotFound, VaultError
+from vault.errors import (
+    DiskFull,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    is_disk_full,
+)
 from vault.ledger import db as tables
 from vault.ledger.db import Database, Writer
 from vault.store.chunks import BlobInfo, Chunk
@@ -27,15 +34,6 @@ _QUERY_BATCH: Final = 450
 class StoredBlob:
     info: BlobInfo
     stored_at: str
-
-
-@dataclass(frozen=True, slots=True)
-class BlobCheck:
-    """One pinned blob's audit result; `failure` is empty when it is present and intact."""
-
-    digest: str
-    size: int
-    failure: str = ""
 
 
 # A catalog row: sha256, blake3, size, stored_at.
@@ -104,9 +102,11 @@ class _Catalogue:
 
 
 class Content:
-    def __init__(self, db: Database, store: BlobStore) -> None:
+    def __init__(self, db: Database, store: BlobStore, *, folder: Path | None = None) -> None:
+        """`folder`: where the store writes new blobs, named when its disk is full."""
         self.db = db
         self.store = store
+        self.folder = folder
         self._catalogue = _Catalogue(db)
 
     def close(self) -> None:
@@ -114,12 +114,24 @@ class Content:
 
     # ------------------------------------------------------------------ writes
 
-    def put(self, data: Iterable[bytes], expected: Digest | None = None) -> tuple[StoredBlob, bool]:
-        """Stream bytes into the store; the blob is catalogued (visible) only once durable."""
-        with self.store.writer() as writer:
-            for piece in data:
-                writer.write(piece)
-            info, created = writer.commit(expected)
+    def put(
+        self,
+        data: Iterable[bytes],
+        expected: Digest | Callable[[], Digest | None] | None = None,
+    ) -> tuple[StoredBlob, bool]:
+        """Stream bytes into the store; the blob is catalogued (visible) only once durable.
+        `expected` may be a function, asked once every byte is in: a streamed put learns the
+        digest its bytes must have from its last message."""
+        size = 0
+        try:
+            with self.store.writer() as writer:
+                for piece in data:
+                    size += len(piece)
+                    writer.write(piece)
+                info, created = writer.commit(expected() if callable(expected) else expected)
+        except OSError as exc:
+            self._refuse_if_full(exc, size)
+            raise
         self._catalogue.record(info, datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
         found = self.find(info.sha256)
         assert found is not None
@@ -132,7 +144,18 @@ class Content:
         stored one in one transaction: each is visible only once durable. One result per blob,
         in order: the blob and whether it was newly stored, or the IntegrityError refusing it
         (it left nothing, in the store or the catalog)."""
-        results = put_many(self.store, blobs)
+        sizes: list[int] = []
+
+        def counted() -> Iterator[BatchBlob]:
+            for data, expected in blobs:
+                sizes.append(len(data))
+                yield data, expected
+
+        try:
+            results = put_many(self.store, counted())
+        except OSError as exc:
+            self._refuse_if_full(exc, sum(sizes))
+            raise
         infos = [result[0] for result in results if not isinstance(result, IntegrityError)]
         # Blobs the store already held are recorded too: a crash may have come between a
         # put's store commit and its catalog commit.
@@ -142,6 +165,11 @@ class Content:
             result if isinstance(result, IntegrityError) else (found[result[0].sha256], result[1])
             for result in results
         ]
+
+    def _refuse_if_full(self, error: OSError, needed: int) -> None:
+        """Raise DiskFull, naming the store's folder, if `error` says its disk is full."""
+        if self.folder is not None and is_disk_full(error):
+            raise DiskFull(self.folder, needed=needed) from error
 
     # ------------------------------------------------------------------ reads
 
@@ -231,21 +259,6 @@ class Content:
     def pinned_digests(self) -> list[str]:
         with self.db.read.connect() as conn:
             return [d for (d,) in conn.execute(self._PINNED, {"external": False})]
-
-    def check(self, digest: str) -> BlobCheck:
-        """Re-hash one pinned blob's stored copy against its digest."""
-        found = self.find(Digest.parse(digest))
-        if found is None:
-            return BlobCheck(digest, 0, "pinned but not in the store")
-        try:
-            self.store.verify(found.info.sha256)
-        except NotFound:
-            return BlobCheck(digest, found.info.size, "catalogued but its bytes are missing")
-        except IntegrityError as exc:
-            return BlobCheck(digest, found.info.size, str(exc))
-        except VaultError as exc:
-            return BlobCheck(digest, found.info.size, f"could not be checked: {exc}")
-        return BlobCheck(digest, found.info.size)
 
     def placements(self, digest: str) -> tuple[list[PlacementRecord], int]:
         """A blob's copies and the repairs recorded of it, where the store journals them."""

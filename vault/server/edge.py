@@ -260,9 +260,17 @@ async def client_stream(
         return item
 
     reader = asyncio.ensure_future(pump())
+    # What ends the reader once the call is over (the call aborted under its read, or
+    # cancelled) was handed to the storing thread already, or no longer matters.
+    reader.add_done_callback(_retrieve)
     try:
         return await _in_thread(transfers, lambda: store(receive))
     except Exception as exc:
         await abort(context, exc)
     finally:
         reader.cancel()
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -24,6 +24,7 @@ import grpc
 from vault.config import Config
 from vault.errors import InvalidArgument, QuotaExceeded, Unauthenticated
 from vault.server.auth import CALLER, PERMISSIONS, Gate, Identity
+from vault.server.decoding import Undecodable, decoder, lenient
 from vault.server.edge import TRANSFERS, StreamIdle, Transfers, abort
 
 # Addresses whose failed credentials are counted at once, the least recently seen forgotten
@@ -191,7 +192,7 @@ class Gatekeeper(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if path.startswith(_SERVICE_PREFIX) and rpc in PERMISSIONS:
                 handler = self._guarded(rpc, handler)
             else:
-                handler = self._open(handler)
+                handler = self._open(rpc, handler)
         self._handlers[path] = handler
         return handler
 
@@ -231,20 +232,25 @@ class Gatekeeper(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if streams:
                 self.slots.give(key)
 
+        decode = decoder(rpc, handler.request_deserializer)
         options = {
-            "request_deserializer": handler.request_deserializer,
+            "request_deserializer": decode,
             "response_serializer": handler.response_serializer,
         }
         if handler.unary_unary is not None and self.gate.mode == "local":
             # Local mode has no credential to check first: every caller on the vault's host
             # is its one user, whose requests are read as any known caller's are (within the
-            # message cap), so the call stays unary and costs no stream machinery.
+            # message cap), so the call stays unary and costs no stream machinery. gRPC
+            # decodes its request before the handler runs.
             unary_unary = handler.unary_unary
 
             async def unary_unary_local(request: Any, context: Any) -> Any:
                 await enter(context)
+                if isinstance(request, Undecodable):
+                    await abort(context, request.error)
                 return await unary_unary(request, context)
 
+            options["request_deserializer"] = lenient(decode)
             return grpc.unary_unary_rpc_method_handler(unary_unary_local, **options)
         if handler.unary_unary is not None:
             unary_unary = handler.unary_unary
@@ -297,10 +303,14 @@ class Gatekeeper(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     # ------------------------------------------------------------------ health, reflection
 
-    def _open(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def _open(self, rpc: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """An open service's method, whose request is read only while few others are."""
+        options = {
+            "request_deserializer": decoder(rpc, handler.request_deserializer),
+            "response_serializer": handler.response_serializer,
+        }
         if handler.request_streaming:
-            return handler
+            return _refusing_undecodable(handler, options)
         idle = self.limits.stream_idle_timeout
 
         async def read(context: Any) -> Any:
@@ -314,10 +324,6 @@ class Gatekeeper(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             finally:
                 self._open_reads -= 1
 
-        options = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
         if handler.unary_unary is not None:
             unary_unary = handler.unary_unary
 
@@ -331,3 +337,29 @@ class Gatekeeper(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             await _respond(unary_stream, await read(context), context)
 
         return grpc.stream_stream_rpc_method_handler(unary_stream_open, **options)
+
+
+def _refusing_undecodable(
+    handler: grpc.RpcMethodHandler, options: dict[str, Any]
+) -> grpc.RpcMethodHandler:
+    """A request-streaming method of an open service (reflection), whose requests are decoded
+    as it reads them: one that cannot be is refused as a bad argument."""
+    if handler.stream_unary is not None:
+        stream_unary = handler.stream_unary
+
+        async def stream_unary_open(requests: Any, context: Any) -> Any:
+            try:
+                return await stream_unary(requests, context)
+            except InvalidArgument as exc:
+                await abort(context, exc)
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary_open, **options)
+    stream_stream = handler.stream_stream
+
+    async def stream_stream_open(requests: Any, context: Any) -> None:
+        try:
+            await _respond(stream_stream, requests, context)
+        except InvalidArgument as exc:
+            await abort(context, exc)
+
+    return grpc.stream_stream_rpc_method_handler(stream_stream_open, **options)

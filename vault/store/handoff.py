@@ -65,8 +65,10 @@ class Desk:
         self.instance = secrets.token_hex(16)
         self._parked: dict[str, _Parked] = {}
         self._lock = threading.Lock()
+        # A socket already there was left by a server that did not stop cleanly: the server
+        # opens its desk only while it holds the data folder's lock, which a live one keeps.
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()  # left by a server that did not stop cleanly
+            path.unlink()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             with unix_address(os.fspath(path)) as address:
