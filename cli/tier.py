@@ -1,12 +1,13 @@
-"""`vault tier status|migrate` and `vault scrub`, run on the vault's host against its config and
-data folder like `vault mirror`: the tiers are opened and worked on by vault/server/tier_admin.py,
-and the results printed here."""
+"""`vault tier status|migrate`, `vault scrub` and `vault repair`, run on the vault's host against
+its config and data folder like `vault mirror`: the tiers are opened and worked on by
+vault/server/tier_admin.py, and the results printed here."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from cli.output import print_json
@@ -20,7 +21,7 @@ from vault.files import size_text
 
 
 def add_tier_commands(sub: Any) -> None:
-    """Add `vault tier …` and `vault scrub` to the command's subparsers."""
+    """Add `vault tier …`, `vault scrub` and `vault repair` to the command's subparsers."""
     p = sub.add_parser("tier", help="tiers: status, migrate by policy (on the vault host)")
     commands = p.add_subparsers(dest="tier_command", required=True, metavar="COMMAND")
     q = commands.add_parser("status", help="per tier: blobs and bytes; the hot tier's fullness")
@@ -35,6 +36,18 @@ def add_tier_commands(sub: Any) -> None:
     p.add_argument("--rate", type=float, default=0.0, help="MB/s to keep to (default: no limit)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_scrub)
+
+    p = sub.add_parser(
+        "repair",
+        help="rewrite a blob's damaged or missing copies from a file that hashes to its digest "
+        "(on the vault host)",
+    )
+    p.add_argument("digest", help="the blob's digest (sha256: or blake3:)")
+    p.add_argument(
+        "--from", dest="source", required=True, metavar="PATH", help="a file with its bytes"
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_repair)
 
 
 def _status(args: argparse.Namespace, config: Config) -> int:
@@ -137,6 +150,37 @@ def _scrub_through_server(args: argparse.Namespace, config: Config) -> int:
     if totals is None:
         raise Unavailable("the vault's scrub ended without its totals")
     return _report_scrub(args, totals)
+
+
+def _repair(args: argparse.Namespace, config: Config) -> int:
+    from vault.server import tier_admin
+
+    sha256, copies = tier_admin.repair(config, args.digest, Path(args.source))
+    failed = [copy for copy in copies if copy.good is False]
+    rewritten = [copy for copy in copies if copy.found and copy.good]
+    if args.json:
+        print_json(
+            {
+                "digest": str(sha256),
+                "copies": [
+                    {"tier": c.tier, "found": c.found, "done": c.done, "good": c.good}
+                    for c in copies
+                ],
+            }
+        )
+    else:
+        for copy in copies:
+            print(f"{copy.tier}: {f'{copy.found}; ' if copy.found else ''}{copy.done}")
+        print(f"{sha256}: {len(rewritten)} copies rewritten, {len(failed)} failed")
+    if failed:
+        raise IntegrityError(
+            f"{len(failed)} copies of {sha256} could not be rewritten: "
+            + "; ".join(f"{c.tier}: {c.done}" for c in failed)
+        )
+    unchecked = [copy.tier for copy in copies if copy.good is None]
+    if unchecked:
+        raise Unavailable(f"not checked, out of reach: {', '.join(unchecked)}")
+    return 0
 
 
 def _report_scrub(args: argparse.Namespace, stats: dict[str, int]) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiers.hot import HotTier
-from tiers.placements import Journal, Placement
+from tiers.placements import LOST, REWRITE_FAILED, Journal, Placement
 from vault.digest import Digest
 from vault.errors import IntegrityError, InvalidArgument, NotFound, Unavailable, VaultError
 from vault.store.chunks import CHUNK_SIZE, BlobInfo, Chunk, ChunkList
@@ -96,6 +96,7 @@ class TierManager(Closing):
         for name, tier in tiers:
             if isinstance(tier, HotTier):
                 tier.rebuilt = functools.partial(self._chunk_list_rebuilt, name)
+                tier.repairing = functools.partial(self._repairing, name)
         self.stats = RepairStats()
         self._stats_lock = threading.Lock()
         # Two reads finding the same damage must not both delete and rewrite the copy; the
@@ -356,6 +357,11 @@ class TierManager(Closing):
         self.journal.flush_reads()
         return self.journal.placements(sha256)
 
+    def damaged(self, digests: Iterable[Digest]) -> set[Digest]:
+        """Those of these sha256 digests whose every copy is known damaged or missing and not
+        repaired since, as the journal records (see Journal.damaged): no tier is read."""
+        return self.journal.damaged(digests)
+
     def repair_count(self, sha256: Digest) -> int:
         """How many damaged or missing copies of the blob the journal records."""
         return len(self.journal.records(sha256))
@@ -466,7 +472,7 @@ class TierManager(Closing):
                 info, _ = copy_blob(self.tiers[source], target, sha256)
             except (VaultError, OSError) as error:
                 self.journal.record(
-                    sha256, name, fault.offset, fault.found, f"rewrite failed: {error}"
+                    sha256, name, fault.offset, fault.found, f"{REWRITE_FAILED}: {error}"
                 )
                 self._count(failed_rewrites=1)
                 continue
@@ -481,6 +487,13 @@ class TierManager(Closing):
         )
         self._count(faults=1, repaired=1)
 
+    def _repairing(
+        self, name: str, sha256: Digest, offset: int | None, found: str, action: str
+    ) -> None:
+        """A repair a tier makes by itself (a hot copy rewritten from a put's bytes)."""
+        self.journal.record(sha256, name, offset, found, action)
+        self._count(faults=1, repaired=1)
+
     def _record_loss(self, sha256: Digest, faults: list[_Fault]) -> None:
         for fault in faults:
             self.journal.record(
@@ -488,7 +501,7 @@ class TierManager(Closing):
                 self.names[fault.tier],
                 fault.offset,
                 fault.found,
-                "none: no tier holds a good copy (data loss)",
+                LOST,
             )
         self._count(unrepairable=len(faults))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -35,7 +35,12 @@ CREATE TABLE IF NOT EXISTS placements (
     tier TEXT NOT NULL,
     PRIMARY KEY (digest, tier)
 ) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS journal_copies ON journal (digest, tier);
 """
+# What the journal says was done about a copy that stays damaged or missing: nothing, for want
+# of a good copy anywhere, or a rewrite that failed (its action starts so).
+LOST: Final = "none: no tier holds a good copy (data loss)"
+REWRITE_FAILED: Final = "rewrite failed"
 # Added to placements after the first release; a journal without them gains them at open.
 # `stored` is when the blob first came to the vault (a migrated copy inherits it), so its age
 # survives moves between tiers.
@@ -48,8 +53,15 @@ _PLACEMENT_COLUMNS: Final = (
 # Reads are counted in memory and written in one transaction at most this often: a read must
 # not pay for a synced write.
 READ_FLUSH_INTERVAL: Final = 5.0
+# Digests looked up in one query.
+_QUERY_BATCH: Final = 500
 # The server and a `vault tier` or `vault scrub` command share the journal.
 _BUSY_TIMEOUT_MS: Final = 30_000
+
+
+def unrepaired(action: str) -> bool:
+    """Whether a journal record's action leaves its copy damaged or missing."""
+    return action == LOST or action.startswith(REWRITE_FAILED)
 
 
 def mirror_tier(name: str) -> str:
@@ -271,6 +283,63 @@ class Journal:
                 "SELECT tier, count(*), coalesce(sum(size), 0) FROM placements GROUP BY tier"
             ).fetchall()
         return {tier: (count, size) for tier, count, size in rows}
+
+    def suspected(self) -> set[str]:
+        """The digests (as text) of which some copy's last journal record says it was lost or
+        its rewrite failed: the only ones `damaged` can name."""
+        return set(self._unrepaired())
+
+    def _unrepaired(self) -> dict[str, dict[str, float]]:
+        """Digest (as text) to the tiers whose copy's last record is unrepaired, and when."""
+        bad: dict[str, dict[str, float]] = {}
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT j.digest, j.tier, j.time, j.action FROM journal j JOIN "
+                "(SELECT max(id) AS last FROM journal GROUP BY digest, tier) l ON j.id = l.last"
+            ).fetchall()
+        for digest, tier, when, action in rows:
+            if unrepaired(action):
+                bad.setdefault(digest, {})[tier] = when
+        return bad
+
+    def damaged(self, digests: Iterable[Digest]) -> set[Digest]:
+        """Those of `digests` whose every copy is known damaged or missing and not repaired
+        since: the journal's last record of the copy says it was lost or its rewrite failed,
+        and it has not been verified since; and the placement record has no other copy (one
+        never found bad, such as a mirror's that was out of reach, may be good).
+
+        Cheap in a healthy vault: one pass over the journal's last record of each copy it
+        names, and over `digests` (sha256) only when some copy is known bad."""
+        bad = self._unrepaired()
+        if not bad:
+            return set()
+        # By hex: formatting a million digests would cost more than the rest of the query.
+        by_hex = {text.removeprefix("sha256:"): text for text in bad}
+        suspects = {d for d in digests if d.hex in by_hex and d.algorithm == "sha256"}
+        texts = sorted(by_hex[digest.hex] for digest in suspects)
+        cleared: set[str] = set()
+        for start in range(0, len(texts), _QUERY_BATCH):
+            part = texts[start : start + _QUERY_BATCH]
+            with self._lock:
+                copies = self._db.execute(
+                    "SELECT digest, tier, last_verified FROM placements "
+                    f"WHERE digest IN ({', '.join('?' * len(part))})",
+                    part,
+                ).fetchall()
+            for text, tier, verified in copies:
+                since = bad[text].get(tier)
+                if since is None or (verified is not None and verified > since):
+                    # A copy never found bad, or verified since: it may be good.
+                    cleared.add(text)
+        return {digest for digest in suspects if by_hex[digest.hex] not in cleared}
+
+    def lost_copies(self, digest: Digest) -> set[str]:
+        """The tiers whose copy of the blob the journal last recorded as lost or failed to
+        rewrite: they held it, even if the copy is gone now."""
+        last: dict[str, str] = {}
+        for record in self.records(digest):
+            last[record.tier] = record.action
+        return {tier for tier, action in last.items() if unrepaired(action)}
 
     def placed(self, digest: Digest) -> set[str]:
         with self._lock:

@@ -14,6 +14,7 @@ from typing import Any, Final, NoReturn
 import botocore.session  # type: ignore[import-untyped]
 from botocore.config import Config  # type: ignore[import-untyped]
 from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
+from botocore.exceptions import ConnectionError as NotConnected
 
 from vault.errors import IntegrityError, Unavailable
 from vault.store.chunks import CHUNK_SIZE
@@ -21,6 +22,14 @@ from vault.store.chunks import CHUNK_SIZE
 MISSING: Final = frozenset({"NoSuchKey", "NotFound", "404"})
 _CHECKSUM_REFUSED: Final = frozenset({"BadDigest", "XAmzContentChecksumMismatch", "InvalidDigest"})
 _TRANSPORT_ERRORS = (BotoCoreError, OSError)
+# The endpoint was not reached at all: its connection refused, or not made in time.
+_CONNECT_ERRORS = (NotConnected,)
+
+
+class Unreadable(IntegrityError):
+    """An object the endpoint fails to hand out whole (its read refused with a server error, or
+    cut short) while the endpoint answers other requests: the object is damaged, as when the
+    server's own bitrot check fails on it. An endpoint that does not answer is Unavailable."""
 
 
 class Refused(Exception):
@@ -97,6 +106,39 @@ class S3Bucket:
         except _TRANSPORT_ERRORS as error:
             raise Unavailable(f"cold tier {self.where}: {what} failed: {error}") from error
 
+    @contextlib.contextmanager
+    def reading(self, what: str, tolerate: frozenset[str] = frozenset()) -> Iterator[None]:
+        """Like `errors`, around reading one object (its request and its body): a failure that
+        is not a refused connection nor a refusal of the request itself (HTTP 4xx) is the
+        object's damage (Unreadable) if the endpoint answers a probe right after, and an
+        outage (Unavailable) if it does not."""
+        try:
+            yield
+        except ClientError as error:
+            if _status(error) >= 500 and _code(error) not in tolerate and self.answers():
+                raise Unreadable(self._unreadable(what, _refusal(error))) from error
+            self._refused(what, error, tolerate)
+        except _CONNECT_ERRORS as error:
+            raise Unavailable(f"cold tier {self.where}: {what} failed: {error}") from error
+        except _TRANSPORT_ERRORS as error:
+            if self.answers():
+                raise Unreadable(self._unreadable(what, str(error))) from error
+            raise Unavailable(f"cold tier {self.where}: {what} failed: {error}") from error
+
+    def answers(self) -> bool:
+        """Whether the endpoint answers a HEAD of the bucket now (within the timeouts)."""
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except (ClientError, *_TRANSPORT_ERRORS):
+            return False
+        return True
+
+    def _unreadable(self, what: str, found: str) -> str:
+        return (
+            f"cold tier {self.where}: {what} failed while the endpoint answers other "
+            f"requests: {' '.join(found.split())}"
+        )
+
     def exists(self, key: str) -> bool:
         try:
             self.call(f"looking up {key}", "head_object", tolerate=MISSING, Key=key)
@@ -107,14 +149,12 @@ class S3Bucket:
     def get(self, key: str, start: int, length: int) -> tuple[bytes, int]:
         """Up to `length` bytes of an object from `start`, and the object's whole size;
         Refused if the object is missing or shorter than `start`."""
-        response = self.call(
-            f"reading {key}",
-            "get_object",
-            tolerate=MISSING | {"InvalidRange"},
-            Key=key,
-            Range=f"bytes={start}-{start + length - 1}",
-        )
-        with self.errors(f"reading {key}"), contextlib.closing(response["Body"]) as body:
+        what = f"reading {key}"
+        with self.reading(what, MISSING | {"InvalidRange"}):
+            response = self.client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
+            )
+        with self.reading(what), contextlib.closing(response["Body"]) as body:
             data: bytes = body.read()
         return data, object_size(response)
 
@@ -141,21 +181,32 @@ class S3Bucket:
                 )
 
     def _refused(self, what: str, error: Any, tolerate: frozenset[str]) -> NoReturn:
-        details = error.response.get("Error", {})
-        code = str(details.get("Code", ""))
-        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = _code(error)
         if code in tolerate:
             raise Refused(code) from None
-        message = details.get("Message") or "no message"
         if code in _CHECKSUM_REFUSED:
+            message = error.response.get("Error", {}).get("Message") or "no message"
             raise IntegrityError(
                 f"cold tier {self.where}: {what}: the server received bytes other than those "
                 f"sent ({code}: {message})"
             ) from error
         raise Unavailable(
-            f"cold tier {self.where}: {what} was refused: {code or 'error'} "
-            f"(HTTP {status}): {message}"
+            f"cold tier {self.where}: {what} was refused: {_refusal(error)}"
         ) from error
+
+
+def _code(error: Any) -> str:
+    return str(error.response.get("Error", {}).get("Code", ""))
+
+
+def _status(error: Any) -> int:
+    return int(error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+
+
+def _refusal(error: Any) -> str:
+    """A refused request as the server explained it: code, HTTP status and message."""
+    message = error.response.get("Error", {}).get("Message") or "no message"
+    return f"{_code(error) or 'error'} (HTTP {_status(error) or None}): {message}"
 
 
 def object_size(response: Any) -> int:

@@ -26,7 +26,7 @@ from tiers.cold._layout import (
     unpack_window,
     windows,
 )
-from tiers.cold._s3 import MISSING, Refused, S3Bucket, b64, object_size
+from tiers.cold._s3 import MISSING, Refused, S3Bucket, Unreadable, b64, object_size
 from tiers.cold._upload import (
     MAX_PART_SIZE,
     MIN_PART_SIZE,
@@ -206,7 +206,15 @@ class ColdTier(Closing, BlobStore):
 
     def verify(self, sha256: Digest) -> BlobInfo:
         """Fetch and re-hash every chunk: each against the chunk list as it comes, the whole
-        against the digest."""
+        against the digest. An object that cannot be read out whole is read once more before
+        the copy is called damaged: once, a connection may have dropped; twice, while the
+        endpoint answers, the object is at fault (a server's bitrot check fails every time)."""
+        try:
+            return self._verify(sha256)
+        except Unreadable:
+            return self._verify(sha256)
+
+    def _verify(self, sha256: Digest) -> BlobInfo:
         layout, head = self._load(sha256)
         chunks = self._read_chunks(layout, head, range(layout.chunks.count))
         found = rehash((chunk.data for chunk in chunks), layout.chunks.chunk_size)
@@ -248,13 +256,14 @@ class ColdTier(Closing, BlobStore):
         whole of a small inline blob)."""
         key = self._index_key(sha256)
         try:
-            head, total = self._s3.get(key, 0, INDEX_PROBE)
-            if head.startswith(MAGIC) and len(head) >= HEADER.size:
-                # A damaged header may claim any length; the object's size bounds the fetch.
-                needed = min(index_length(head), total)
-                if len(head) < needed:
-                    more, _ = self._s3.get(key, len(head), needed - len(head))
-                    head += more
+            with _damage_of(sha256):
+                head, total = self._s3.get(key, 0, INDEX_PROBE)
+                if head.startswith(MAGIC) and len(head) >= HEADER.size:
+                    # A damaged header may claim any length; the object's size bounds the fetch.
+                    needed = min(index_length(head), total)
+                    if len(head) < needed:
+                        more, _ = self._s3.get(key, len(head), needed - len(head))
+                        head += more
         except Refused as refused:
             if refused.code == "InvalidRange":
                 raise IntegrityError(f"index of {sha256} ({key}) is damaged: it is empty") from None
@@ -283,13 +292,13 @@ class ColdTier(Closing, BlobStore):
         key = layout.data_key
         what = f"reading {key}"
         try:
-            response = self._s3.call(
-                what,
-                "get_object",
-                tolerate=MISSING | {"InvalidRange"},
-                Key=key,
-                Range=f"bytes={start}-{end - 1}",
-            )
+            with (
+                _damage_of(layout.chunks.sha256),
+                self._s3.reading(what, MISSING | {"InvalidRange"}),
+            ):
+                response = self._s3.client.get_object(
+                    Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}"
+                )
         except Refused as refused:
             offset = layout.chunks.span(window.start)[0]
             if refused.code == "InvalidRange":
@@ -312,7 +321,7 @@ class ColdTier(Closing, BlobStore):
         body = response["Body"]
         try:
             check_stored_size(layout, object_size(response))
-            with self._s3.errors(what):
+            with _damage_of(layout.chunks.sha256), self._s3.reading(what):
                 while data := body.read(CHUNK_SIZE):
                     yield data
         finally:
@@ -397,3 +406,13 @@ class ColdTier(Closing, BlobStore):
         except (NotFound, IntegrityError):
             return False
         return layout.data_key == data_key
+
+
+@contextlib.contextmanager
+def _damage_of(sha256: Digest) -> Iterator[None]:
+    """An object of the blob's copy that the endpoint fails to read out whole: the copy is
+    damaged."""
+    try:
+        yield
+    except Unreadable as error:
+        raise Unreadable(f"stored copy of {sha256} is damaged: {error}") from error

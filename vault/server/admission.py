@@ -35,6 +35,7 @@ from vault.ledger.records import PinSpec, StoredEntry
 from vault.ledger.runid import MAX_INPUTS_BYTES, NONCE_HEX, RunInputs
 from vault.server.auth import Identity
 from vault.server.content import Content, StoredBlob
+from vault.server.damage import KnownDamage
 from vault.store.manifest import (
     MAX_MANIFEST_BYTES,
     RawFile,
@@ -281,9 +282,12 @@ class Admitter:
         self._check_locks = [threading.Lock() for _ in range(_CHECK_LOCKS)]
         # Kept for the server's life: each thread keeps its own database connection.
         self._lookups = ThreadPoolExecutor(_LOOKUP_THREADS, thread_name_prefix="admission")
+        # What the vault's own checks found damaged and nobody has repaired since.
+        self._damage = KnownDamage(content.store)
 
     def close(self) -> None:
         self._lookups.shutdown(cancel_futures=True)
+        self._damage.close()
         self._leases.close()
 
     # ------------------------------------------------------------------ admit
@@ -424,6 +428,18 @@ class Admitter:
                 FailedPrecondition(
                     f"dataset {digest} is missing {len(missing)} of its {summary.files} "
                     f"files' content (first: {_first_file_of(data, missing)})"
+                ),
+                for_seconds=min(self.policy.verify_interval, self.policy.missing_interval),
+            )
+        damaged = self._damage.damaged_among(wanted)
+        if damaged:
+            first = _first_file_of(data, damaged)
+            self._refuse(
+                digest,
+                FailedPrecondition(
+                    f"dataset {digest} has {len(damaged)} of its {summary.files} files' content "
+                    f"known damaged in the store (first: {first}): repair it with `vault repair "
+                    "DIGEST --from PATH`"
                 ),
                 for_seconds=min(self.policy.verify_interval, self.policy.missing_interval),
             )

@@ -1,16 +1,18 @@
-"""What `vault tier status|migrate` and `vault scrub` do on the vault's host: its tiers opened
-from the config as a command may open them beside a running server, then reported on,
-migrated by [policy] or scrubbed, now."""
+"""What `vault tier status|migrate`, `vault scrub` and `vault repair` do on the vault's host: its
+tiers opened from the config as a command may open them beside a running server, then reported
+on, migrated by [policy], scrubbed, or repaired from a file, now."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiers.placements import JOURNAL_FILE_NAME
 from vault.config import Config
+from vault.digest import Digest
 from vault.errors import Unavailable
 from vault.server.assembly import (
     hot_capacity,
@@ -28,6 +30,7 @@ from vault.store.protocol import BlobStore
 if TYPE_CHECKING:
     from mirror.queue import ReplicationQueue
     from tiers.migrate import MigrationReport, MirrorCopies
+    from tiers.restore import CopyRestore
 
 
 class HeldByServer(Unavailable):
@@ -161,6 +164,26 @@ def scrub(
     finally:
         opened.close()
     return dataclasses.asdict(stats)
+
+
+def repair(config: Config, digest: str, path: Path) -> tuple[Digest, list[CopyRestore]]:
+    """Rewrite every damaged or missing copy of a blob, on every tier and mirror that holds
+    it, from the file at `path`, which must hash to `digest`; the blob's sha256 and what
+    became of each copy. HeldByServer when a running server holds the warm tier."""
+    from tiers.restore import restore_from_file
+
+    wanted = Digest.parse(digest)
+    db = open_ledger_database(config)
+    try:
+        # The column is named by the algorithm, which Digest.parse allows only two of.
+        rows = db.fetch(f"SELECT 1 FROM blobs WHERE {wanted.algorithm} = ?", (str(wanted),))
+    finally:
+        db.dispose()
+    opened = _HostTiers(config, need_warm=True, mirrors=True)
+    try:
+        return restore_from_file(opened.manager, wanted, path, catalogued=bool(rows))
+    finally:
+        opened.close()
 
 
 def scrub_totals(update: Any) -> dict[str, int]:
