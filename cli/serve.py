@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from vault.config import Config
+from vault.errors import InvalidArgument
 
 # The server loads only when a command here runs: every other `vault` command, the Slurm
 # plugin's too, starts without it.
@@ -18,14 +19,29 @@ if TYPE_CHECKING:
 def add_serve_command(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the vault server")
     p.add_argument("--listen", help="address to listen on (host:port, port 0 picks one; unix:PATH)")
+    p.add_argument(
+        "--tiles-http",
+        metavar="[HOST:]PORT",
+        help="also serve the ledger's tiles (C2SP tlog-tiles) read-only over HTTP "
+        "(host 127.0.0.1 unless given; port 0 picks one)",
+    )
     p.set_defaults(func=_serve)
 
 
 def _serve(args: argparse.Namespace, config: Config) -> int:
     from vault.server.serve import serve
 
-    serve(config, args.listen, started=_print_serving, stopping=_print_stopping)
+    tiles = None if args.tiles_http is None else _host_port(args.tiles_http)
+    serve(config, args.listen, started=_print_serving, stopping=_print_stopping, tiles_http=tiles)
     return 0
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or int(port) > 65535:
+        raise InvalidArgument(f"--tiles-http {text!r}: expected [HOST:]PORT, PORT 0 to 65535")
+    return host, int(port)
 
 
 def _print_serving(serving: Serving) -> None:
@@ -39,6 +55,8 @@ def _print_serving(serving: Serving) -> None:
     print(f"  access: {access}{', TLS' if serving.tls else ''}", flush=True)
     if serving.handoff_socket is not None:
         print(f"  handoff socket {serving.handoff_socket}", flush=True)
+    if serving.tiles_url is not None:
+        print(f"  tiles (C2SP tlog-tiles) at {serving.tiles_url}", flush=True)
     if serving.fault is not None:
         print(
             f"  WARNING: the stored ledger fails its check ({serving.fault}); appends and proofs "

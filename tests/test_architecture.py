@@ -17,7 +17,7 @@ PACKAGES = ("vault", "tiers", "mirror", "cli")
 # Leaf modules every package may use: they import only each other.
 FOUNDATION = ("vault.errors", "vault.digest", "vault.files", "vault.canonical", "vault.config")
 # The ledger's storage; the rest of vault.ledger is pure verification on bytes.
-LEDGER_STORAGE = ("vault.ledger.db", "vault.ledger.log")
+LEDGER_STORAGE = ("vault.ledger.db", "vault.ledger.log", "vault.ledger.tiles")
 # The parts of the content store a client-side caller may use: dataset manifests, the cache of
 # file digests, and the allocator tuning of a process that moves large blobs.
 STORE_FOR_CLIENTS = ("vault.store.manifest", "vault.store.hashcache", "vault.store.allocator")
@@ -190,6 +190,7 @@ def test_the_rules_refuse_what_the_picture_forbids() -> None:
     assert not allowed("vault.store.protocol", "vault.ledger.entry")
     assert not allowed("vault.client.client", "vault.server.auth")
     assert not allowed("vault.client.client", "vault.ledger.db")
+    assert not allowed("vault.client.client", "vault.ledger.tiles")
     assert not allowed("vault.runs.run", "vault.server.admission")
     assert not allowed("vault.runs.run", "tiers.hot")
     assert not allowed("tiers.hot", "mirror.queue")
@@ -208,7 +209,8 @@ def test_a_client_side_import_pulls_in_no_server_code(module: str) -> None:
     probe = (
         f"import sys, {module}\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('tiers', 'mirror', "
-        "'sqlalchemy') or m.startswith(('vault.server', 'vault.ledger.db', 'vault.ledger.log')))\n"
+        "'sqlalchemy') or m.startswith(('vault.server', 'vault.ledger.db', 'vault.ledger.log', "
+        "'vault.ledger.tiles')))\n"
         "print(' '.join(bad))\n"
     )
     result = subprocess.run(

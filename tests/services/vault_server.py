@@ -139,6 +139,7 @@ class VaultServer:
         database: str | None = None,
         env: Mapping[str, str] | None = None,
         args: Sequence[str] = (),
+        serve_args: Sequence[str] = (),
         listen: str | None = "127.0.0.1:0",
         channel_credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
@@ -151,6 +152,7 @@ class VaultServer:
         self.database = database
         self.extra_env = dict(env or {})
         self.args = tuple(args)
+        self.serve_args = tuple(serve_args)
         self.listen = listen
         self.address = ""
         self.banner: list[str] = []
@@ -180,7 +182,7 @@ class VaultServer:
         listen = ("--listen", self.listen) if self.listen else ()
         with open(self.stdout_path, "wb") as out, open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [*VAULT_COMMAND, *self.args, "serve", *listen],
+                [*VAULT_COMMAND, *self.args, "serve", *listen, *self.serve_args],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=log,

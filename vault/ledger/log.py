@@ -1,7 +1,7 @@
 """The ledger: durable, linear, hash-chained appends (group commit), the in-memory Merkle tree
 that answers proofs, signed checkpoints (the last one also kept outside the database, so that
-a server never signs over a history that changed behind it), and the queries behind look-ups
-and the log."""
+a server never signs over a history that changed behind it), the tree's C2SP tlog-tiles written
+and published after each checkpoint, and the queries behind look-ups and the log."""
 
 from __future__ import annotations
 
@@ -22,9 +22,11 @@ from vault.errors import (
     IntegrityError,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     Unavailable,
     VaultError,
     VerificationError,
+    is_disk_full,
 )
 from vault.ledger import db as tables
 from vault.ledger.checkpoint import Checkpoint, SigningKey, Verifier
@@ -36,12 +38,15 @@ from vault.ledger.entry import (
 from vault.ledger.last_signed import LastSigned
 from vault.ledger.merkle import MerkleTree, leaf_hash
 from vault.ledger.records import LogFilter, PinSpec, RawEntry, SignedCheckpoint, StoredEntry
+from vault.ledger.tiles import TILE_HEIGHT, TileStore
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH: Final = 10_000
 READ_BATCH: Final = 2_000
 QUERY_BATCH: Final = 500
+# Entries whose full tiles one step of a catch-up writes while signing waits.
+TILES_STEP: Final = 1 << 14
 
 
 class _Append:
@@ -94,6 +99,10 @@ _READ_ENTRIES: Final = (
     "WHERE idx > ? ORDER BY idx LIMIT ?"
 )
 _READ_SUBJECTS: Final = "SELECT idx, digest FROM entry_subjects WHERE idx > ? AND idx <= ?"
+_READ_BODIES: Final = "SELECT body FROM entries WHERE idx >= ? AND idx < ? ORDER BY idx"
+# The distinct prefixes size // 256**level of the checkpoints signed in a range of sizes: each
+# one a partial tile at that level.
+_SIGNED_PREFIXES: Final = "SELECT DISTINCT size / ? FROM checkpoints WHERE size > ? AND size <= ?"
 
 Query = Callable[[str, Sequence[Any]], list[tuple[Any, ...]]]
 
@@ -104,7 +113,9 @@ class Ledger:
     Appends go through one writer thread that commits whatever has queued up in a single
     transaction (group commit: many appends share one sync) and acknowledges only after the
     commit. The Merkle tree is a cache of the stored leaf hashes; it catches up with entries
-    other servers appended to the same database before it answers for them.
+    other servers appended to the same database before it answers for them. With a tile folder,
+    the checkpointer writes the tiles of the latest checkpoint from that tree, then publishes
+    the checkpoint beside them (within an interval of its signing).
     """
 
     def __init__(
@@ -116,11 +127,22 @@ class Ledger:
         checkpoint_interval: float = 1.0,
         commit_window: float = 0.002,
         last_signed: Path | None = None,
+        tiles: Path | None = None,
     ) -> None:
         """`last_signed`: a file outside the database where the server keeps the last
-        checkpoint it signed; at start the stored entries must agree with it."""
+        checkpoint it signed; at start the stored entries must agree with it. `tiles`: the
+        folder of the tree's C2SP tlog-tiles, written after checkpoints are signed."""
         self.db = db
         self.last_signed = None if last_signed is None else LastSigned(last_signed)
+        self.tiles = None if tiles is None else TileStore(tiles)
+        # The size the tile folder's own checkpoint vouches for at start; whether the tiles of
+        # the checkpoints signed since (before this start) are written yet, and whether so many
+        # are missing that the checkpointer writes them in steps (see `write_tiles`).
+        self._tiles_resumed = 0
+        self._tiles_caught_up = False
+        # The size of the checkpoint the tile folder publishes, and who writes tiles now.
+        self._published = 0
+        self._tiles_lock = threading.Lock()
         self.key = key
         self.verifier: Verifier = key.verifier()
         self.origin = origin
@@ -142,6 +164,8 @@ class Ledger:
             self.fault = exc
             log.error("the stored ledger fails its check (%s); run `vault verify`", exc)
         self._latest = self._load_latest_checkpoint()
+        if self.tiles is not None and self.fault is None:
+            self._tiles_resumed = self.tiles.resume(self.verifier, self._tree.size, self._tree.root)
         self._writer = threading.Thread(target=self._write_loop, name="ledger-writer", daemon=True)
         self._writer.start()
         self._checkpointer = threading.Thread(
@@ -210,7 +234,10 @@ class Ledger:
             try:
                 outcomes = self._commit(batch)
             except BaseException as exc:  # every waiter must hear of the failure
-                log.exception("ledger append failed")
+                if isinstance(exc, ResourceExhausted):  # a full disk: no fault of the code
+                    log.warning("ledger append refused: %s", exc)
+                else:
+                    log.exception("ledger append failed")
                 error = (
                     exc
                     if isinstance(exc, VaultError)
@@ -330,6 +357,69 @@ class Ledger:
             conn.execute(_INSERT_CHECKPOINT, {"size": size, "note": note})
         return SignedCheckpoint(checkpoint, note)
 
+    def write_tiles(self) -> None:
+        """Write the tiles of the latest signed checkpoint that the tile folder lacks, durably,
+        then publish that checkpoint beside them: a verifier reading tiles finds every one the
+        published size needs. The checkpointer does it once an interval, off the path of
+        appends and signing (tiles are derived from the stored entries, so a crash loses none
+        that cannot be written again); a long catch-up (a ledger that had no tiles) goes a
+        step at a time."""
+        if self.tiles is None:
+            return
+        while not self._closed.is_set():
+            with self._tiles_lock:
+                latest = self._latest
+                if latest is None or self.fault is not None or latest.size <= self._published:
+                    return
+                if latest.size - self.tiles.complete <= TILES_STEP:
+                    self._write_tiles(latest.size)
+                    self.tiles.publish(latest.note, latest.size)
+                    self._published = latest.size
+                    return
+                step = self.tiles.complete + TILES_STEP
+                self.tiles.write_full(step, self._tree.nodes, self._bodies)
+
+    def repair_tiles(self) -> list[str]:
+        """Check every tile of the latest checkpoint against the stored leaf hashes and entries,
+        and write again each one that is missing or damaged; returns their paths."""
+        if self.tiles is None:
+            return []
+        with self._tiles_lock:
+            latest = self._latest
+            if latest is None:
+                return []
+            self._refuse_if_faulty("write tiles for")
+            bad = self.tiles.repair(latest.size, self._tree.nodes, self._bodies)
+            self.tiles.publish(latest.note, latest.size)
+            self._published = latest.size
+            return [tile.path for tile in bad]
+
+    def _write_tiles(self, size: int) -> None:
+        """The tiles of the tree of `size` leaves (the caller holds the checkpoint lock); the
+        first time, also the partial tiles of every checkpoint signed since the tile folder's
+        own."""
+        assert self.tiles is not None
+        signed = () if self._tiles_caught_up else self._signed_sizes(self._tiles_resumed, size)
+        self.tiles.write(size, self._tree.nodes, self._bodies, signed)
+        self._tiles_caught_up = True
+
+    def _signed_sizes(self, above: int, upto: int) -> list[int]:
+        """Sizes of stored checkpoints in (above, upto], one for each partial tile they have that
+        no full tile at `upto` replaces: at each level, at most 255, however many were signed."""
+        sizes = []
+        level = 0
+        while upto >> (TILE_HEIGHT * level):
+            unit = 1 << (TILE_HEIGHT * level)
+            # Sizes below this are in full tiles of this level at `upto`.
+            floor = (upto >> (TILE_HEIGHT * (level + 1))) << (TILE_HEIGHT * (level + 1))
+            rows = self.db.fetch(_SIGNED_PREFIXES, (unit, max(above, floor), upto))
+            sizes += [int(prefix) * unit for (prefix,) in rows]
+            level += 1
+        return sizes
+
+    def _bodies(self, start: int, end: int) -> list[bytes]:
+        return [bytes(body) for (body,) in self.db.fetch(_READ_BODIES, (start, end))]
+
     def _refuse_if_faulty(self, what: str) -> None:
         if self.fault is not None:
             raise IntegrityError(
@@ -384,18 +474,31 @@ class Ledger:
         return SignedCheckpoint(checkpoint, row.note)
 
     def _checkpoint_loop(self, interval: float) -> None:
+        # First the tiles a previous run left unwritten, off the path of start-up.
+        self._guarded(self.write_tiles)
         while not self._closed.wait(interval):
-            try:
-                if self.sync() > (self._latest.size if self._latest else -1):
-                    self.checkpoint(self._tree.size)
-                # Off the appenders' path: at most once an interval, one small synced file.
-                if self._latest is not None and self.fault is None and self.last_signed:
-                    self.last_signed.record(self._latest.note, self._latest.size)
-            except VerificationError as exc:
-                if str(exc) != str(self.fault):
-                    log.error("the stored ledger fails its check (%s); run `vault verify`", exc)
-                self.fault = exc
-            except Exception:
+            self._guarded(self._checkpoint_step)
+
+    def _checkpoint_step(self) -> None:
+        if self.sync() > (self._latest.size if self._latest else -1):
+            self.checkpoint(self._tree.size)
+        self.write_tiles()
+        # Off the appenders' path: at most once an interval, one small synced file.
+        if self._latest is not None and self.fault is None and self.last_signed:
+            self.last_signed.record(self._latest.note, self._latest.size)
+
+    def _guarded(self, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except VerificationError as exc:
+            if str(exc) != str(self.fault):
+                log.error("the stored ledger fails its check (%s); run `vault verify`", exc)
+            self.fault = exc
+        except Exception as exc:
+            if isinstance(exc, ResourceExhausted) or is_disk_full(exc):
+                # A full disk: tried again each interval, until space is freed.
+                log.warning("periodic checkpoint put off: %s", exc)
+            else:
                 log.exception("periodic checkpoint failed")
 
     # ------------------------------------------------------------------ proofs

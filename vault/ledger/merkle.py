@@ -110,6 +110,17 @@ class MerkleTree:
             raise ValueError(f"no leaf {index}: the tree has {self._size} leaves")
         return bytes(self._levels[0][index * HASH_SIZE : (index + 1) * HASH_SIZE])
 
+    def nodes(self, height: int, start: int, end: int) -> bytes:
+        """The roots of the perfect subtrees of 2**height leaves numbered `start` to `end` - 1,
+        concatenated: at height 0 the leaf hashes (the hashes a tile lists)."""
+        if height < 0 or not 0 <= start <= end or end << height > self._size:
+            raise ValueError(
+                f"no nodes {start} to {end} of height {height}: the tree has {self._size} leaves"
+            )
+        if start == end:
+            return b""
+        return bytes(self._levels[height][start * HASH_SIZE : end * HASH_SIZE])
+
     def root(self, size: int | None = None) -> bytes:
         """The root of the tree of the first `size` leaves (default: all of them)."""
         if size is None:

@@ -17,7 +17,7 @@ from typing import Final
 import grpc
 
 from vault.config import Config
-from vault.errors import InvalidArgument
+from vault.errors import ConfigError, InvalidArgument
 from vault.ledger.checkpoint import SigningKey
 from vault.ledger.log import Ledger
 from vault.server.admission import AdmissionPolicy, Admitter
@@ -25,9 +25,11 @@ from vault.server.assembly import open_content_store
 from vault.server.auth import MODES, Gate
 from vault.server.content import Content
 from vault.server.database import open_ledger_database
+from vault.server.folder_lock import only_server
 from vault.server.gatekeeper import Gatekeeper, Limits
 from vault.server.service import build_server
 from vault.server.store_service import ScrubRunner
+from vault.server.tiles_http import TilesServer
 from vault.server.tokens import TokenStore
 from vault.server.workers import scrub_runner, start_tier_workers
 from vault.store.handoff import Desk
@@ -35,6 +37,8 @@ from vault.store.protocol import Closing
 
 # The last checkpoint this server signed, kept outside the database (see Ledger).
 LAST_SIGNED: Final = "last-checkpoint"
+# The ledger's tree as C2SP tlog-tiles (vault/ledger/tiles.py), in the data folder.
+TILES: Final = "tiles"
 
 log = logging.getLogger("pinvault")
 
@@ -57,6 +61,8 @@ class Serving:
     handoff_socket: Path | None
     # Why the stored ledger fails its check, if it does.
     fault: str | None
+    # Where the tiles are served over HTTP, if they are.
+    tiles_url: str | None = None
 
 
 def load_or_create_key(config: Config) -> SigningKey:
@@ -81,10 +87,10 @@ def server_credentials(config: Config) -> grpc.ServerCredentials | None:
     auth = config.auth
     if not (auth.tls_cert or auth.tls_key):
         if auth.client_ca:
-            raise InvalidArgument("auth.client_ca needs TLS: set auth.tls_cert and auth.tls_key")
+            raise ConfigError("auth.client_ca needs TLS: set auth.tls_cert and auth.tls_key")
         return None
     if not (auth.tls_cert and auth.tls_key):
-        raise InvalidArgument("TLS needs both auth.tls_cert and auth.tls_key")
+        raise ConfigError("TLS needs both auth.tls_cert and auth.tls_key")
     pair = (_read("auth.tls_key", auth.tls_key), _read("auth.tls_cert", auth.tls_cert))
     client_ca = _read("auth.client_ca", auth.client_ca) if auth.client_ca else None
     return grpc.ssl_server_credentials(
@@ -96,13 +102,13 @@ def check_access(config: Config, listen: str) -> None:
     """Local mode serves one user and so only where no one else can connect; credentials cross
     the network only inside TLS."""
     if config.auth.mode not in MODES:
-        raise InvalidArgument(
+        raise ConfigError(
             f"unknown auth.mode {config.auth.mode!r}: expected one of {', '.join(MODES)}"
         )
     host = listen.rpartition(":")[0]
     local = listen.startswith("unix:") or host in _LOOPBACK
     if config.auth.mode == "local" and not local:
-        raise InvalidArgument(
+        raise ConfigError(
             f"auth.mode 'local' asks no credential, so it listens only on loopback or a "
             f"Unix socket, not {listen}: set auth.mode = 'credentials' and create tokens "
             "with `vault token create`"
@@ -110,7 +116,7 @@ def check_access(config: Config, listen: str) -> None:
     if local or config.auth.tls_cert or config.auth.tls_key:
         return
     if not config.server.allow_plaintext_credentials:
-        raise InvalidArgument(
+        raise ConfigError(
             f"auth.mode 'credentials' on {listen} would send bearer tokens in plain text: set "
             "auth.tls_cert and auth.tls_key (`vault keys init` makes them), or listen on "
             "loopback or a Unix socket"
@@ -151,9 +157,11 @@ def serve(
     *,
     started: Callable[[Serving], None],
     stopping: Callable[[], None],
+    tiles_http: tuple[str, int] | None = None,
 ) -> None:
     """Serve the vault `config` describes on `listen` (default server.listen) until SIGTERM or
-    SIGINT; `started` is told where once it listens, `stopping` when a signal came."""
+    SIGINT, and its tiles read-only over HTTP on `tiles_http` (host, port) if given; `started`
+    is told where once it listens, `stopping` when a signal came."""
     listen = listen or config.server.listen
     check_access(config, listen)
     tls = server_credentials(config)
@@ -161,7 +169,24 @@ def serve(
     # for other users of the host; other users' clients, who cannot reach the handoff socket
     # then, stream instead.
     os.umask(0o077)
-    make_data_folder(config.data_path)
+    # Before anything in the folder is touched: a second server would take over the first
+    # one's handoff socket and write beside it.
+    with only_server(config.data_path):
+        make_data_folder(config.data_path)
+        _serve_folder(
+            config, listen, tls, started=started, stopping=stopping, tiles_http=tiles_http
+        )
+
+
+def _serve_folder(
+    config: Config,
+    listen: str,
+    tls: grpc.ServerCredentials | None,
+    *,
+    started: Callable[[Serving], None],
+    stopping: Callable[[], None],
+    tiles_http: tuple[str, int] | None,
+) -> None:
     key = load_or_create_key(config)
     db = open_ledger_database(config)
     ledger = Ledger(
@@ -171,9 +196,19 @@ def serve(
         checkpoint_interval=config.ledger.checkpoint_interval,
         commit_window=config.ledger.commit_window,
         last_signed=config.data_path / LAST_SIGNED,
+        tiles=config.data_path / TILES,
     )
+    # The entry bundles name every entry, which only an auditor may list when callers need
+    # credentials: then only the hash tiles and the checkpoint are served.
+    tiles = None
+    if tiles_http is not None:
+        tiles = TilesServer(
+            config.data_path / TILES,
+            *tiles_http,
+            entries=config.auth.mode == "local",
+        ).start()
     store = open_content_store(config)
-    content = Content(db, store)
+    content = Content(db, store, folder=config.hot_path)
     # The migration worker and the scrubber, when there are tiers to manage ([policy]).
     workers = start_tier_workers(config, store, db)
     admitter = Admitter(
@@ -203,9 +238,12 @@ def serve(
                 scrub,
                 started=started,
                 stopping=stopping,
+                tiles_url=None if tiles is None else tiles.url,
             )
         )
     finally:
+        if tiles is not None:
+            tiles.stop()
         if desk is not None:
             desk.close()
         if tokens is not None:
@@ -233,6 +271,7 @@ async def _serve(
     *,
     started: Callable[[Serving], None],
     stopping: Callable[[], None],
+    tiles_url: str | None,
 ) -> None:
     loop = asyncio.get_running_loop()
     # Blocking work (disk, hashing, PostgreSQL) runs on these threads, off the event loop.
@@ -265,6 +304,7 @@ async def _serve(
             tls=tls is not None,
             handoff_socket=None if desk is None else desk.path,
             fault=None if ledger.fault is None else str(ledger.fault),
+            tiles_url=tiles_url,
         )
     )
     stop = asyncio.Event()
