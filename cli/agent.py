@@ -17,18 +17,13 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from functools import partial
 from typing import Any, Final
 
-import grpc
-
 from cli.output import error_line
-from vault.client import VaultClient
+from cli.warm import Connect, WarmClient
 from vault.config import Config
-from vault.errors import FailedPrecondition, InvalidArgument, Unavailable, VaultError
-
-Connect = Callable[[Config], VaultClient]
+from vault.errors import FailedPrecondition, InvalidArgument, VaultError
 
 # A request is a few digests and names; anything longer is not the plugin talking.
 MAX_REQUEST: Final = 16 * 1024
@@ -37,12 +32,6 @@ REQUEST_SECONDS: Final = 3.0
 # After answering, how long and how much of an unread request is drained before closing.
 DRAIN_SECONDS: Final = 0.5
 MAX_DRAIN: Final = 1 << 20
-# Each vault call's deadline unless client.timeout sets one: below the plugin's default
-# timeout (5 s), so that the plugin hears the vault's UNAVAILABLE rather than its own.
-VAULT_SECONDS: Final = 4.0
-# Pauses before asking the vault again on a new channel after UNAVAILABLE: a vault that is
-# down is told in well under a second, one that is back is asked.
-RENEW_PAUSES: Final = (0.05, 0.25)
 # More requests at once than slurmctld (which admits one job at a time) ever makes.
 MAX_CONCURRENT: Final = 64
 SOCKET_MODE: Final = 0o660
@@ -83,31 +72,17 @@ def _mode(text: str) -> int:
 
 
 class Agent:
-    """The warm client and the answer to one request. A client whose vault went away is
-    replaced: gRPC backs off reconnecting for up to two minutes, and a restarted vault must
-    not be refused for that long."""
+    """The warm client and the answer to one request."""
 
     def __init__(self, config: Config, connect: Connect, error_line: ErrorLine) -> None:
-        if not config.client.timeout:
-            # A vault that accepts and never answers must not hold a submission forever.
-            config = replace(config, client=replace(config.client, timeout=VAULT_SECONDS))
-        self._config = config
-        self._timeout = config.client.timeout
-        self._connect = connect
+        self._vault = WarmClient(config, connect)
         self._error_line = error_line
-        self._lock = threading.Lock()
-        self._client = connect(config)
 
     def close(self) -> None:
-        self._client.close()
+        self._vault.close()
 
     def warm_up(self) -> None:
-        """Connect now rather than at the first job; a vault that is not up yet only delays
-        that, and is reported."""
-        try:
-            grpc.channel_ready_future(self._client.channel).result(timeout=self._timeout)
-        except grpc.FutureTimeoutError:
-            log.warning("vault %s cannot be reached yet", self._client.target)
+        self._vault.warm_up()
 
     def refusal(self, exc: VaultError) -> dict[str, Any]:
         reason = self._error_line(exc)
@@ -125,30 +100,9 @@ class Agent:
             return {"admitted": False, "reason": f"the admission agent failed: {_one_line(exc)}"}
 
     def _admit(self, fields: dict[str, str]) -> dict[str, Any]:
-        client = self._client
-        for pause in (*RENEW_PAUSES, None):
-            try:
-                admission = client.admit(**fields)
-                break
-            except Unavailable:
-                if pause is None:
-                    raise
-                # Again on a new channel: the vault may be back while this one backs off.
-                client = self._renew(client, pause)
+        admission = self._vault.call(lambda client: client.admit(**fields))
         log.info("admitted run %s for team %s", admission.run_id, admission.team)
         return {"admitted": True, "run_id": admission.run_id, "seed": str(admission.seed)}
-
-    def _renew(self, stale: VaultClient, pause: float) -> VaultClient:
-        with self._lock:
-            # Concurrent requests that failed together make one new client, not one each.
-            if self._client is stale:
-                # gRPC shares connections between channels to the same address and tears a
-                # closed channel's down in the background: closed first, and a moment given,
-                # so that the new channel connects anew rather than join the backing-off one.
-                stale.close()
-                time.sleep(pause)
-                self._client = self._connect(self._config)
-            return self._client
 
 
 def _parse(line: bytes) -> dict[str, str]:

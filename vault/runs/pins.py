@@ -1,0 +1,60 @@
+"""The pins a job names, checked by a client without appending anything: what `vault run` asks
+before it submits and the Kubernetes webhook asks of every pod. The vault's admission checks the
+same in its own ledger and store (and then appends the run), and refuses in the same words."""
+
+from __future__ import annotations
+
+from vault.client import ProvenEntry, VaultClient
+from vault.digest import Digest
+from vault.errors import FailedPrecondition, InvalidArgument, NotFound
+from vault.runs.dataset import fetch_manifest, find_missing
+
+
+def _an(word: str) -> str:
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
+
+
+def require_pin(client: VaultClient, kind: str, digest: str) -> list[ProvenEntry]:
+    """The `kind` pins of `digest`, each proved against a signed checkpoint; refused if none."""
+    wanted = str(Digest.parse(digest))
+    try:
+        pins = [p for p in client.lookup(wanted) if p.entry.kind == kind]
+    except NotFound:
+        pins = []
+    if not pins:
+        raise FailedPrecondition(
+            f"{kind} {wanted} is not pinned as {_an(kind)}: pin it first "
+            f"(vault pin {kind} {wanted})"
+        )
+    return pins
+
+
+def check_input(client: VaultClient, kind: str, digest: str) -> None:
+    """Refuse an input (`image` or `dataset`) that is not pinned as one or, unless it is pinned
+    only as external content (kept elsewhere, an OCI registry say), whose content the store
+    lacks; a dataset must also be a valid manifest whose every file the store holds."""
+    wanted = str(Digest.parse(digest))
+    if all(p.entry.external for p in require_pin(client, kind, wanted)):
+        return
+    if kind != "dataset":
+        if find_missing(client, [wanted]):
+            raise FailedPrecondition(
+                f"{kind} {wanted} is pinned but its content is not in the store"
+            )
+        return
+    try:
+        # Fetched and verified against its digest by this client.
+        manifest = fetch_manifest(client, wanted)
+    except NotFound:
+        raise FailedPrecondition(
+            f"dataset {wanted} is pinned but its content is not in the store"
+        ) from None
+    except InvalidArgument as exc:
+        raise FailedPrecondition(f"dataset {wanted} is not a dataset manifest: {exc}") from None
+    missing = set(find_missing(client, sorted({f.sha256 for f in manifest.files})))
+    if missing:
+        first = next(f.path for f in manifest.files if f.sha256 in missing)
+        raise FailedPrecondition(
+            f"dataset {wanted} is missing {len(missing)} of its {len(manifest.files)} files' "
+            f"content (first: {first})"
+        )
