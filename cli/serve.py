@@ -25,22 +25,36 @@ def add_serve_command(sub: Any) -> None:
         help="also serve the ledger's tiles (C2SP tlog-tiles) read-only over HTTP "
         "(host 127.0.0.1 unless given; port 0 picks one)",
     )
+    p.add_argument(
+        "--metrics-port",
+        metavar="[HOST:]PORT",
+        help="also serve Prometheus metrics over HTTP at /metrics "
+        "(host 127.0.0.1 unless given; port 0 picks one)",
+    )
     p.set_defaults(func=_serve)
 
 
 def _serve(args: argparse.Namespace, config: Config) -> int:
     from vault.server.serve import serve
 
-    tiles = None if args.tiles_http is None else _host_port(args.tiles_http)
-    serve(config, args.listen, started=_print_serving, stopping=_print_stopping, tiles_http=tiles)
+    tiles = None if args.tiles_http is None else _host_port("--tiles-http", args.tiles_http)
+    metrics = None if args.metrics_port is None else _host_port("--metrics-port", args.metrics_port)
+    serve(
+        config,
+        args.listen,
+        started=_print_serving,
+        stopping=_print_stopping,
+        tiles_http=tiles,
+        metrics_http=metrics,
+    )
     return 0
 
 
-def _host_port(text: str) -> tuple[str, int]:
+def _host_port(option: str, text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     if not port.isdigit() or int(port) > 65535:
-        raise InvalidArgument(f"--tiles-http {text!r}: expected [HOST:]PORT, PORT 0 to 65535")
+        raise InvalidArgument(f"{option} {text!r}: expected [HOST:]PORT, PORT 0 to 65535")
     return host, int(port)
 
 
@@ -57,6 +71,8 @@ def _print_serving(serving: Serving) -> None:
         print(f"  handoff socket {serving.handoff_socket}", flush=True)
     if serving.tiles_url is not None:
         print(f"  tiles (C2SP tlog-tiles) at {serving.tiles_url}", flush=True)
+    if serving.metrics_url is not None:
+        print(f"  metrics (Prometheus) at {serving.metrics_url}", flush=True)
     if serving.fault is not None:
         print(
             f"  WARNING: the stored ledger fails its check ({serving.fault}); appends and proofs "

@@ -198,18 +198,23 @@ def test_the_rules_refuse_what_the_picture_forbids() -> None:
     assert not allowed("cli.run", "vault.server.service")
     assert not allowed("vault.errors", "vault.client")
     assert allowed("cli.serve", "vault.server.service")
+    assert not allowed("vault.client.client", "vault.server.metrics")
+    assert not allowed("tiers.scrub", "vault.server.metrics")
     assert allowed("vault.server.admission", "vault.ledger.log")
     assert allowed("mirror.queue", "tiers.manager")
 
 
-@pytest.mark.parametrize("module", ["vault.runs", "vault.client", "vault.ledger.audit"])
+@pytest.mark.parametrize(
+    "module", ["vault.runs", "vault.runs.fs", "vault.client", "vault.ledger.audit"]
+)
 def test_a_client_side_import_pulls_in_no_server_code(module: str) -> None:
     """A researcher's script that imports the run library or the client loads none of the
     server, the tiers, the mirrors or the ledger's storage."""
     probe = (
         f"import sys, {module}\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('tiers', 'mirror', "
-        "'sqlalchemy') or m.startswith(('vault.server', 'vault.ledger.db', 'vault.ledger.log', "
+        "'sqlalchemy', 'prometheus_client') or m.startswith(('vault.server', 'vault.ledger.db', "
+        "'vault.ledger.log', "
         "'vault.ledger.tiles')))\n"
         "print(' '.join(bad))\n"
     )

@@ -82,6 +82,8 @@ class Migrator:
         self.mirror_copies = mirror_copies
         self.on_step = on_step
         self.clock = clock
+        # Moves the pass under way (or the last one) planned and has not made yet.
+        self.pending = 0
 
     # -- planning ----------------------------------------------------------------------------
 
@@ -148,11 +150,11 @@ class Migrator:
         self, decisions: Iterable[Decision], stop: threading.Event | None = None
     ) -> MigrationReport:
         report = MigrationReport()
-        for decision in decisions:
+        moves = [decision for decision in decisions if decision.moves]
+        self.pending = len(moves)
+        for decision in moves:
             if stop is not None and stop.is_set():
                 break
-            if not decision.moves:
-                continue
             digest = decision.facts.digest
             try:
                 with self.manager.repair_lock:
@@ -160,6 +162,8 @@ class Migrator:
             except (VaultError, OSError) as error:
                 log.warning("migrating %s to %s failed: %s", digest, decision.target, error)
                 report.failed.append((digest, str(error)))
+            finally:
+                self.pending -= 1
         return report
 
     def _move(self, decision: Decision, report: MigrationReport) -> None:

@@ -157,6 +157,8 @@ class Scrubber:
         self.rate = rate
         self.window = window
         self.clock = clock
+        # What the background passes (`run`) have checked and found, since the start.
+        self.stats = ScrubStats()
 
     def scrub_all(
         self,
@@ -183,7 +185,7 @@ class Scrubber:
     def run(self, stop: threading.Event) -> None:
         """Check copies as they fall due, for ever (until `stop`)."""
         pace = _Pace(self.rate, stop)
-        stats = ScrubStats()
+        stats = self.stats
         warned = False
         while not stop.is_set():
             batch = self.manager.journal.least_recently_verified(_BATCH, self.manager.names)

@@ -329,6 +329,11 @@ class Ledger:
     def size(self) -> int:
         return self._tree.size
 
+    @property
+    def latest(self) -> SignedCheckpoint | None:
+        """The latest checkpoint signed or loaded, without signing one."""
+        return self._latest
+
     # ------------------------------------------------------------------ checkpoints
 
     def checkpoint(self, min_size: int = 0) -> SignedCheckpoint:

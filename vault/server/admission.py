@@ -36,6 +36,7 @@ from vault.ledger.runid import MAX_INPUTS_BYTES, NONCE_HEX, RunInputs
 from vault.server.auth import Identity
 from vault.server.content import Content, StoredBlob
 from vault.server.damage import KnownDamage
+from vault.server.metrics import count_admission
 from vault.store.manifest import (
     MAX_MANIFEST_BYTES,
     RawFile,
@@ -299,7 +300,17 @@ class Admitter:
         made now (with a nonce of the vault's, so its run id was unknowable until now) if the
         team has none. With `run_id`, that run, which must be the team's run of these inputs;
         with `replay_of`, the run of that published manifest, and one of the team's slots."""
-        inputs = inputs.bare
+        try:
+            admitted = self._admit(inputs.bare, team, author, run_id, replay_of)
+        except Exception as exc:
+            count_admission(exc)
+            raise
+        count_admission(None)
+        return admitted
+
+    def _admit(
+        self, inputs: RunInputs, team: str, author: str, run_id: str, replay_of: str
+    ) -> Admitted:
         external = self.check_inputs(inputs)
         if replay_of:
             run, full, lease = self._replay(inputs, team, replay_of)

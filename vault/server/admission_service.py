@@ -11,6 +11,7 @@ from vault.server.admission import Admitted, Admitter
 from vault.server.auth import caller
 from vault.server.edge import Service, unary, unary_async
 from vault.server.ledger_service import LedgerService
+from vault.server.metrics import count_admission
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
@@ -36,6 +37,7 @@ class AdmissionService(Service, rpc.AdmissionServicer):
             # A run id other than the known run's is refused, or found, by the full check.
             if known is not None and request.run_id in ("", known[0].run_id):
                 run, full = known
+                count_admission(None)
                 return self._answer(request, Admitted(full, run.entry, new=False, team=team))
         return await asyncio.to_thread(self._admit, request, inputs)
 

@@ -9,6 +9,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from vault.errors import (
     VaultError,
 )
 from vault.server.auth import Gate, caller
+from vault.server.metrics import count_rpc
 
 log = logging.getLogger(__name__)
 
@@ -274,3 +276,74 @@ async def client_stream(
 def _retrieve(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()
+
+
+class Metering(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Counts every call of every method by the status code it ended with, and times it
+    (vault/server/metrics.py). The outermost interceptor: calls the gatekeeper refuses count
+    too."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        method = details.method
+        path = method.decode() if isinstance(method, bytes) else str(method)
+        if path in self._handlers:
+            return self._handlers[path]
+        handler = await continuation(details)
+        if handler is None:  # no such method: gRPC answers UNIMPLEMENTED
+            return None
+        service, _, name = path.rpartition("/")
+        self._handlers[path] = _metered(f"{service.rpartition('.')[2]}.{name}", handler)
+        return self._handlers[path]
+
+
+def _metered(rpc: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """`handler`, its calls counted and timed as `rpc`."""
+    kind, behaviour = next(
+        (kind, getattr(handler, kind))
+        for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+        if getattr(handler, kind) is not None
+    )
+
+    async def metered(request: Any, context: Any) -> Any:
+        began = time.perf_counter()
+        code = "UNKNOWN"
+        try:
+            result = behaviour(request, context)
+            if hasattr(result, "__aiter__"):
+                try:
+                    async for message in result:
+                        await context.write(message)
+                finally:
+                    await result.aclose()
+                response = None
+            else:
+                response = await result
+            code = _code(context, "OK")
+            return response
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except grpc.aio.AbortError:
+            code = _code(context, "UNKNOWN")
+            raise
+        finally:
+            count_rpc(rpc, code, time.perf_counter() - began)
+
+    make = getattr(grpc, f"{kind}_rpc_method_handler")
+    return make(
+        metered,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def _code(context: Any, default: str) -> str:
+    code = context.code()
+    return default if code is None else str(code.name)

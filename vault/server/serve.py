@@ -27,6 +27,7 @@ from vault.server.content import Content
 from vault.server.database import open_ledger_database
 from vault.server.folder_lock import only_server
 from vault.server.gatekeeper import Gatekeeper, Limits
+from vault.server.metrics import ScrubWatch, Sources, serve_metrics
 from vault.server.service import build_server
 from vault.server.store_service import ScrubRunner
 from vault.server.tiles_http import TilesServer
@@ -63,6 +64,8 @@ class Serving:
     fault: str | None
     # Where the tiles are served over HTTP, if they are.
     tiles_url: str | None = None
+    # Where the Prometheus metrics are served over HTTP, if they are.
+    metrics_url: str | None = None
 
 
 def load_or_create_key(config: Config) -> SigningKey:
@@ -158,10 +161,12 @@ def serve(
     started: Callable[[Serving], None],
     stopping: Callable[[], None],
     tiles_http: tuple[str, int] | None = None,
+    metrics_http: tuple[str, int] | None = None,
 ) -> None:
     """Serve the vault `config` describes on `listen` (default server.listen) until SIGTERM or
-    SIGINT, and its tiles read-only over HTTP on `tiles_http` (host, port) if given; `started`
-    is told where once it listens, `stopping` when a signal came."""
+    SIGINT, its tiles read-only over HTTP on `tiles_http` (host, port) if given, and its
+    Prometheus metrics on `metrics_http` if given; `started` is told where once it listens,
+    `stopping` when a signal came."""
     listen = listen or config.server.listen
     check_access(config, listen)
     tls = server_credentials(config)
@@ -174,7 +179,13 @@ def serve(
     with only_server(config.data_path):
         make_data_folder(config.data_path)
         _serve_folder(
-            config, listen, tls, started=started, stopping=stopping, tiles_http=tiles_http
+            config,
+            listen,
+            tls,
+            started=started,
+            stopping=stopping,
+            tiles_http=tiles_http,
+            metrics_http=metrics_http,
         )
 
 
@@ -186,6 +197,7 @@ def _serve_folder(
     started: Callable[[Serving], None],
     stopping: Callable[[], None],
     tiles_http: tuple[str, int] | None,
+    metrics_http: tuple[str, int] | None,
 ) -> None:
     key = load_or_create_key(config)
     db = open_ledger_database(config)
@@ -224,7 +236,13 @@ def _serve_folder(
     tokens = TokenStore(db) if config.auth.mode != "local" else None
     desk = open_desk(config)
     scrub = scrub_runner(store)
+    watch = ScrubWatch()
+    if scrub is not None and metrics_http is not None:
+        scrub = watch.watch(scrub)
+    metrics = None
     try:
+        if metrics_http is not None:
+            metrics = serve_metrics(Sources(ledger, content, store, workers, watch), metrics_http)
         asyncio.run(
             _serve(
                 config,
@@ -239,9 +257,12 @@ def _serve_folder(
                 started=started,
                 stopping=stopping,
                 tiles_url=None if tiles is None else tiles.url,
+                metrics_url=None if metrics is None else metrics.url,
             )
         )
     finally:
+        if metrics is not None:
+            metrics.stop()
         if tiles is not None:
             tiles.stop()
         if desk is not None:
@@ -272,6 +293,7 @@ async def _serve(
     started: Callable[[Serving], None],
     stopping: Callable[[], None],
     tiles_url: str | None,
+    metrics_url: str | None,
 ) -> None:
     loop = asyncio.get_running_loop()
     # Blocking work (disk, hashing, PostgreSQL) runs on these threads, off the event loop.
@@ -305,6 +327,7 @@ async def _serve(
             handoff_socket=None if desk is None else desk.path,
             fault=None if ledger.fault is None else str(ledger.fault),
             tiles_url=tiles_url,
+            metrics_url=metrics_url,
         )
     )
     stop = asyncio.Event()

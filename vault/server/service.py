@@ -16,7 +16,7 @@ from vault.server.admission import Admitter
 from vault.server.admission_service import AdmissionService
 from vault.server.auth import Gate
 from vault.server.content import Content
-from vault.server.edge import Service
+from vault.server.edge import Metering, Service
 from vault.server.gatekeeper import Gatekeeper
 from vault.server.ledger_service import LedgerService
 from vault.server.store_service import ScrubRunner, StoreService
@@ -61,7 +61,8 @@ async def build_server(
     (vault/store/handoff.py); with `scrub`, Store.Scrub checks every tier on demand."""
     gatekeeper = gatekeeper or Gatekeeper(Gate())
     gate = gatekeeper.gate
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[gatekeeper])
+    # Metering first, so that it counts the calls the gatekeeper refuses too.
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[Metering(), gatekeeper])
     ledger_service = LedgerService(ledger, content)
     servicers: list[Service] = [StoreService(content, ledger, desk, scrub), ledger_service]
     if admitter is not None:
