@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import stat
 import subprocess
 import sys
@@ -33,6 +34,15 @@ from vault.errors import (
 from vault.ledger.runid import RunInputs
 from vault.runs import CheckpointManifest, Run, RunManifest, load_run_manifest, start
 from vault.runs.dataset import add_dataset
+
+
+def replayed_by(script: Path) -> str:
+    """The run manifest a `replicate.sh` replays."""
+    found = re.fullmatch(
+        r'#!/bin/sh\nexec vault replay (sha256:[0-9a-f]{64}) "\$@"\n', script.read_text()
+    )
+    assert found, script.read_text()
+    return found.group(1)
 
 
 def sha256(data: bytes) -> str:
@@ -314,7 +324,7 @@ def test_a_checkpoint_cut_short_by_a_kill_does_not_exist_for_the_next_process(
     assert (folder / "restored" / "opt" / "state.bin").read_bytes() == b"adam 1"
 
     # The run manifest the resumed process published counts what the killed one wrote.
-    digest = (folder / "replicate.sh").read_text().split()[-1]
+    digest = replayed_by(folder / "replicate.sh")
     manifest = load_run_manifest(client, digest)
     assert [(o.path, o.sha256) for o in manifest.outputs] == [
         ("early.txt", sha256(b"written before the preemption\n"))
@@ -494,7 +504,7 @@ def test_a_run_left_by_an_exception_publishes_no_manifest(
     # What it did record stays recorded: the next attempt's manifest includes it.
     with start(environ=env, output_dir=tmp_path) as run:
         pass
-    digest = (tmp_path / "replicate.sh").read_text().split()[-1]
+    digest = replayed_by(tmp_path / "replicate.sh")
     assert [o.path for o in load_run_manifest(client, digest).outputs] == ["partial-results.txt"]
 
 

@@ -70,6 +70,7 @@ class VaultClient:
         self._aliases: dict[Digest, Digest] = {}
 
     def close(self) -> None:
+        """End the connection."""
         self.channel.close()
 
     def __enter__(self) -> VaultClient:
@@ -166,6 +167,9 @@ class VaultClient:
         )
 
     def stat(self, digest: str) -> Stat:
+        """The vault's description of a blob and the entries it lists as pinning it, neither
+        verified (`get`/`open` verify bytes, `lookup` entries). NotFound if the vault lacks it,
+        InvalidArgument for a malformed digest."""
         with rpc_errors():
             response = self.store.Stat(pb.StatRequest(digest=str(Digest.parse(digest))))
         return Stat(
@@ -173,6 +177,7 @@ class VaultClient:
         )
 
     def find_missing(self, digests: Sequence[str]) -> list[str]:
+        """Those of `digests` the vault does not hold (its word: a get verifies the rest)."""
         with rpc_errors():
             return list(self.store.FindMissing(pb.FindMissingRequest(digests=digests)).missing)
 
@@ -183,6 +188,8 @@ class VaultClient:
             yield from self.store.Scrub(pb.ScrubRequest(rate_mb_s=rate_mb_s))
 
     def verify_blobs(self) -> Iterator[pb.VerifyBlobsProgress]:
+        """Have the vault re-hash every stored blob against its digest: its progress, then
+        its findings (Store.VerifyBlobs)."""
         with rpc_errors():
             yield from self.store.VerifyBlobs(pb.VerifyBlobsRequest())
 
@@ -372,6 +379,7 @@ class VaultClient:
         )
 
     def release_replay(self, lease: str, *, team: str = "") -> None:
+        """Give a replay's slot back; NotFound if the lease is unknown or expired."""
         with rpc_errors():
             self.admission.ReleaseReplay(
                 pb.ReleaseReplayRequest(lease=lease, team=team or self.team),
@@ -389,10 +397,12 @@ class VaultClient:
         return response.token, response.secret
 
     def list_tokens(self) -> list[pb.TokenInfo]:
+        """The vault's tokens (never their secrets); PermissionDenied unless an admin asks."""
         with rpc_errors():
             return list(self.tokens.ListTokens(pb.ListTokensRequest(), timeout=self.timeout).tokens)
 
     def revoke_token(self, token_id: str) -> None:
+        """Revoke a token at once; NotFound for an unknown id."""
         with rpc_errors():
             self.tokens.RevokeToken(pb.RevokeTokenRequest(token_id=token_id), timeout=self.timeout)
 
@@ -411,6 +421,8 @@ class VaultClient:
         return note
 
     def inclusion_proof(self, index: int, size: int = 0) -> pb.InclusionProof:
+        """The vault's proof that entry `index` is in the tree of `size` entries (0: the
+        latest), unverified: `prove` checks one."""
         with rpc_errors():
             proof: pb.InclusionProof = self.ledger.GetInclusionProof(
                 pb.InclusionProofRequest(index=index, size=size)
@@ -418,6 +430,8 @@ class VaultClient:
         return proof
 
     def consistency_proof(self, old_size: int, new_size: int = 0) -> pb.ConsistencyProof:
+        """The vault's proof that the tree of `new_size` entries (0: the latest) extends the
+        one of `old_size`, unverified: `checkpoint` checks one."""
         with rpc_errors():
             proof: pb.ConsistencyProof = self.ledger.GetConsistencyProof(
                 pb.ConsistencyProofRequest(old_size=old_size, new_size=new_size)
@@ -465,6 +479,8 @@ class VaultClient:
             start = response.next
 
     def verifier(self) -> Verifier:
+        """The key checkpoints are verified with: the pinned one, or the one trusted on first
+        use; VerificationError if the vault's checkpoint does not verify with it."""
         with self._trust.trusted() as trusted:
             return trusted.verifier
 

@@ -146,6 +146,8 @@ class BlobReader(io.RawIOBase):
         return data
 
     def readinto(self, buffer: Any) -> int:
+        """Verified bytes into `buffer`; IntegrityError for a chunk that fails its check, a
+        stream cut short or, at the end of a whole blob, a digest that does not match."""
         while not self._buffer:
             if self._done or not self._next_chunk():
                 return 0
@@ -228,4 +230,5 @@ def read_chunk_hashes(call: Any, requested: Digest) -> ChunkHashes | None:
 
 
 def read_all(reader: BlobReader) -> bytes:
+    """Everything `reader` has left, once verified (IntegrityError otherwise)."""
     return b"".join(bytes(c) for c in reader.chunks())

@@ -14,6 +14,8 @@ from vault.wire import pinvault_pb2 as pb
 
 @dataclass(frozen=True, slots=True)
 class BlobInfo:
+    """A stored blob: its sha256 and blake3 digests, size, and when the vault stored it."""
+
     sha256: Digest
     blake3: Digest
     size: int
@@ -21,17 +23,24 @@ class BlobInfo:
 
     @classmethod
     def from_wire(cls, blob: pb.BlobInfo) -> BlobInfo:
+        """From the server's answer; InvalidArgument for a malformed digest. The values are
+        the server's word until the blob's bytes are checked against its digest."""
         return cls(Digest.parse(blob.sha256), Digest.parse(blob.blake3), blob.size, blob.stored_at)
 
 
 @dataclass(frozen=True, slots=True)
 class PutResult:
+    """What a put stored (checked to be the bytes sent) and whether the vault lacked it."""
+
     blob: BlobInfo
     created: bool
 
 
 @dataclass(frozen=True, slots=True)
 class Stat:
+    """A blob as the vault describes it, and the entries pinning it, as listed (unproven:
+    `VaultClient.lookup` proves them)."""
+
     blob: BlobInfo
     pins: list[Entry]
 
@@ -62,4 +71,5 @@ class Admission:
 
     @property
     def seed(self) -> int:
+        """The admitted seed."""
         return self.inputs.seed

@@ -81,6 +81,9 @@ class CheckpointManifest:
 
     @classmethod
     def checked(cls, *, run: str, step: int, files: Sequence[FileRecord]) -> CheckpointManifest:
+        """A checkpoint manifest, its files put in order; InvalidArgument for a run that is
+        not a sha256 digest, a bad step, no files, a bad or repeated path, a malformed digest,
+        or a name that is both a file and another file's folder."""
         what = "checkpoint manifest"
         _check_sha256(what, "run", run)
         _check_step(what, step)
@@ -100,6 +103,7 @@ class CheckpointManifest:
         return cls(run, step, ordered)
 
     def as_json(self) -> dict[str, Any]:
+        """The manifest as the JSON object docs/run-manifest.md describes."""
         return {
             "type": CHECKPOINT_TYPE,
             "v": FORMAT_VERSION,
@@ -109,6 +113,7 @@ class CheckpointManifest:
         }
 
     def encode(self) -> bytes:
+        """The canonical (JCS) bytes whose sha256 is the checkpoint's digest."""
         return canonical_json(self.as_json())
 
     @classmethod
@@ -178,10 +183,12 @@ class RunManifest:
 
     @property
     def run_id(self) -> str:
+        """The run's id: the digest of its inputs document."""
         return self.inputs.run_id
 
     @property
     def seed(self) -> int:
+        """The seed the run was admitted with."""
         return self.inputs.seed
 
     @classmethod
@@ -194,6 +201,9 @@ class RunManifest:
         outputs: Sequence[FileRecord],
         checkpoints: Sequence[CheckpointRef],
     ) -> RunManifest:
+        """A run manifest, its outputs and checkpoints put in order; InvalidArgument for a
+        team or environment variable out of bounds, a step listed twice, a bad path or a
+        malformed digest."""
         what = "run manifest"
         if len(team) > MAX_TEAM_LENGTH or not team.isprintable():
             raise InvalidArgument(
@@ -226,6 +236,7 @@ class RunManifest:
         )
 
     def as_json(self) -> dict[str, Any]:
+        """The manifest as the JSON object docs/run-manifest.md describes."""
         return {
             "type": RUN_MANIFEST_TYPE,
             "v": FORMAT_VERSION,
@@ -238,6 +249,7 @@ class RunManifest:
         }
 
     def encode(self) -> bytes:
+        """The canonical (JCS) bytes whose sha256 is the manifest's digest."""
         return canonical_json(self.as_json())
 
     @classmethod
@@ -445,6 +457,9 @@ def first_admission(entries: Sequence[ProvenEntry], run_id: str) -> Entry | None
 
 
 def load_checkpoint_manifest(client: VaultClient, digest: str) -> CheckpointManifest:
+    """A checkpoint manifest, fetched verified against its digest (IntegrityError if the bytes
+    do not match, NotFound if the vault lacks them) and decoded strictly (InvalidArgument if
+    it is malformed, too large or not canonical)."""
     return CheckpointManifest.decode(
         read_bounded(client, digest, "checkpoint manifest", MAX_CHECKPOINT_MANIFEST_BYTES)
     )

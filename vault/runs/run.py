@@ -88,6 +88,7 @@ class Checkpoint:
 
     @property
     def step(self) -> int:
+        """The step the checkpoint was committed as."""
         return self.manifest.step
 
     def restore(self, target: str | os.PathLike[str]) -> dict[str, Path]:
@@ -248,6 +249,7 @@ class Run:
 
     @property
     def seed(self) -> int:
+        """The run's seed, as the vault recorded it at admission."""
         return self.inputs.seed
 
     def rng(self) -> random.Random:
@@ -426,6 +428,8 @@ class Run:
         return digest
 
     def close(self) -> None:
+        """Abort the outputs still open (no file, no record) and close the client if the run
+        made it. Publishes nothing: that is `finish()`."""
         for out in list(self._open):
             out.abort()
         if self._owns_client:
@@ -496,6 +500,7 @@ class OutputFile(io.RawIOBase):
         return True
 
     def write(self, data: ReadableBuffer) -> int:
+        """Write and hash `data`; ValueError once the output is closed or aborted."""
         if self.closed:
             raise ValueError("write to a closed output")
         view = memoryview(data).cast("B")
@@ -505,15 +510,19 @@ class OutputFile(io.RawIOBase):
         return len(view)
 
     def tell(self) -> int:
+        """How many bytes were written."""
         return self._size
 
     def flush(self) -> None:
+        """Flush to the hidden file; nothing is stored or recorded before `close()`."""
         # IOBase.close() flushes after the file underneath was closed.
         if not self._file.closed:
             self._file.flush()
 
     def close(self) -> None:
-        """Commit: the file is in place and recorded once this returns."""
+        """Commit: the file is in place and recorded once this returns. IntegrityError if
+        the vault stored other bytes than were written; on any failure the output is aborted
+        (no file, no record)."""
         if self.closed:
             return
         try:
