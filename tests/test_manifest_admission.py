@@ -145,7 +145,6 @@ def test_the_fast_reader_refuses_exactly_what_the_whole_document_reader_does(cas
     assert found == expected
 
 
-
 @pytest.mark.parametrize("case", list(CORNERS))
 def test_the_piecewise_reader_accepts_nothing_the_exact_one_refuses(case: str) -> None:
     """The piecewise reader either agrees with the entry-by-entry one or leaves the manifest
@@ -158,6 +157,7 @@ def test_the_piecewise_reader_accepts_nothing_the_exact_one_refuses(case: str) -
     assert pieces is None or pieces == exact
     if case in ("many pieces", "an escape, pieces on", "a dotfile, pieces on"):
         assert exact is not None and pieces == exact
+
 
 def test_the_fast_reader_hands_files_on_in_batches() -> None:
     entries = [FileEntry(f"f{i:05d}", 2, 0o600, A) for i in range(25_000)]

@@ -312,7 +312,8 @@ def _scan_pieces(
             return None
         sizes.update(piece)
         if sink is not None:
-            batch.extend(zip(keys, numbers, map(_MODES.__getitem__, map(_MODE_OF, found)), digests))
+            modes = map(_MODES.__getitem__, map(_MODE_OF, found))
+            batch.extend(zip(keys, numbers, modes, digests, strict=True))
             while len(batch) >= BATCH_FILES:
                 sink(batch[:BATCH_FILES])
                 del batch[:BATCH_FILES]
