@@ -9,25 +9,31 @@ import os
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any, NoReturn
+from typing import Any, Final, NoReturn
 
 from cli.access import add_access_commands
 from cli.agent import add_agent_commands
 from cli.dataset import add_dataset_commands
+from cli.k8s_webhook import add_k8s_webhook_commands
 from cli.mirror import add_mirror_commands
 from cli.output import error_line, print_json, shown
 from cli.progress import Progress
 from cli.run import add_run_commands
 from cli.serve import add_serve_command, create_token_offline
+from cli.signals import terminable
 from cli.tier import add_tier_commands
 from vault import config as config_module
 from vault.client import BlobInfo, ProvenEntry, VaultClient
 from vault.client.connect import open_client
 from vault.config import Config
 from vault.digest import Digest
-from vault.errors import InvalidArgument, VaultError
+from vault.errors import ConfigError, InvalidArgument, VaultError
 from vault.ledger.entry import KINDS, Entry
 from vault.store.allocator import keep_freed_buffers
+
+# The exit status of a usage error: argparse's for a bad argument, the command's for a bad
+# configuration.
+EXIT_USAGE: Final = 2
 
 
 def _client(config: Config) -> VaultClient:
@@ -68,12 +74,16 @@ def _entry_line(entry: Entry) -> str:
 # ---------------------------------------------------------------------- commands
 
 
+@terminable
 def cmd_put(args: argparse.Namespace, config: Config) -> int:
     results = []
     with _client(config) as client:
         for path in args.paths:
             if path == "-":
-                source: Any = sys.stdin.buffer
+                # A reader of its own: the thread that sends the put may be stopped inside a
+                # read of it when the command is interrupted, holding the reader's lock, and
+                # the interpreter closes sys.stdin on its way out.
+                source: Any = open(sys.stdin.fileno(), "rb", closefd=False)  # noqa: SIM115
                 total = None
             else:
                 source = path
@@ -95,6 +105,7 @@ def cmd_put(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+@terminable
 def cmd_get(args: argparse.Namespace, config: Config) -> int:
     with _client(config) as client:
         if args.output and args.output != "-":
@@ -171,10 +182,11 @@ def _proven_dict(p: ProvenEntry) -> dict[str, Any]:
 
 
 def cmd_pin(args: argparse.Namespace, config: Config) -> int:
+    meta = _parse_meta(args.meta)
     with _client(config) as client:
-        proven = client.pin(
-            args.kind, args.digests, meta=_parse_meta(args.meta), external=args.external
-        )
+        # The client has the vault prove itself (its key, a checkpoint consistent with the last
+        # one verified) before it asks for the append.
+        proven = client.pin(args.kind, args.digests, meta=meta, external=args.external)
     if args.json:
         print_json(_proven_dict(proven))
     else:
@@ -422,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_commands(sub, _client)
     add_access_commands(sub, _client, create_token_offline)
     add_agent_commands(sub, _client)
+    add_k8s_webhook_commands(sub, _client)
     return parser
 
 
@@ -455,7 +468,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args, config))
     except VaultError as exc:
         print(f"vault: {error_line(exc)}", file=sys.stderr)
-        return 1
+        # A configuration the command cannot run with is a usage error, as argparse's are.
+        return EXIT_USAGE if isinstance(exc, ConfigError) else 1
     except KeyboardInterrupt:
         print("vault: interrupted", file=sys.stderr)
         return 130

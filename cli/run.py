@@ -15,6 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from cli.output import shown
 from vault.client import Admission, VaultClient
 from vault.config import (
     ENV_CONFIG,
@@ -26,15 +27,26 @@ from vault.config import (
     ENV_SCRIPT,
     ENV_SEED,
     ENV_TEAM,
+    JOB_VARIABLES,
     Config,
 )
 from vault.digest import Digest
-from vault.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from vault.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, VaultError
 from vault.ledger.runid import parse_seed
 from vault.runs import load_run_manifest
+from vault.runs.pins import require_pin
 from vault.runs.run import ENV_ARRAY_TASK as ARRAY_TASK
 
 Connect = Callable[[Config], VaultClient]
+
+# The Slurm plugin (slurm/job_submit.lua) refuses a job that carries no pins with this, before it
+# asks the vault and before Slurm checks anything else of the job.
+_PLUGIN_WANTS_PINS = "pinvault: job refused: the job carries no pins"
+# A run whose job sbatch refused after its admission entry was appended is recorded with a `run`
+# entry of this stage, so that the admission does not read as a run that ran.
+NOT_SUBMITTED = "not-submitted"
+# The most of sbatch's reason such a record keeps (an entry's metadata value holds 4096 bytes).
+_REASON_CHARS = 1000
 
 
 def add_run_commands(sub: Any, connect: Connect) -> None:
@@ -123,15 +135,16 @@ def _short(digest: str) -> str:
 
 
 def _step(mark: str, what: str, detail: str) -> None:
-    print(f"{mark} {what:<34}{detail}", flush=True)
+    print(f"{mark} {what:<33} {detail}", flush=True)
 
 
-def _config_digest(client: VaultClient, value: str) -> str:
-    """The config's digest: given as one, or the file's, stored and pinned as `config`."""
+def _config_digest(client: VaultClient, value: str) -> tuple[str, str]:
+    """The config's digest (given as one, or the file's, stored), and the name to pin it as
+    `config` under: "" when it is pinned already or was given as a digest (admission checks it)."""
     if not value:
-        return ""
+        return "", ""
     if ":" in value and not Path(value).exists():
-        return str(Digest.parse(value))
+        return str(Digest.parse(value)), ""
     path = Path(value)
     if not path.is_file():
         raise InvalidArgument(f"config {value}: no such file (or give the config's digest)")
@@ -140,41 +153,49 @@ def _config_digest(client: VaultClient, value: str) -> str:
         pinned = any(p.entry.kind == "config" for p in client.lookup(digest))
     except NotFound:
         pinned = False
-    if not pinned:
-        client.pin("config", digest, meta={"name": path.name})
-    return digest
+    return digest, "" if pinned else path.name
 
 
-def _require_pin(client: VaultClient, kind: str, digest: str) -> int:
-    """The index of `digest`'s `kind` pin, proved against a signed checkpoint."""
-    wanted = str(Digest.parse(digest))
+def sbatch_command() -> str:
+    command = shutil.which("sbatch")
+    if command is None:
+        raise Unavailable("sbatch is not on PATH: is this a Slurm submit host?")
+    return command
+
+
+def _sbatch(command: str, args: list[str], env: Mapping[str, str]) -> tuple[str, str]:
+    """Run sbatch; its standard output and error, or raises with its reason."""
     try:
-        entries = [p.entry for p in client.lookup(wanted) if p.entry.kind == kind]
-    except NotFound:
-        entries = []
-    if not entries:
-        raise FailedPrecondition(f"{kind} {wanted} is not pinned: pin it first")
-    return entries[0].index
+        done = subprocess.run(
+            [command, *args], env=dict(env), capture_output=True, text=True, check=False
+        )
+    except OSError as exc:
+        raise Unavailable(f"cannot run {command}: {exc.strerror}") from None
+    if done.returncode != 0:
+        reason = " ".join(done.stderr.split()) or f"exit status {done.returncode}"
+        raise FailedPrecondition(f"sbatch refused the job: {reason}")
+    return done.stdout, done.stderr
+
+
+def check_submission(command: str, sbatch_args: list[str], env: Mapping[str, str]) -> None:
+    """Ask sbatch whether it would take the job (`--test-only`, Slurm's own dry run) before
+    anything is appended for it; raises with its reason if not. The job's pins are left out: a
+    cluster that runs the pinvault plugin then refuses the job for that at once, without asking
+    the vault (whose admission would append the run), once sbatch's own checks have passed."""
+    unpinned = {name: value for name, value in env.items() if name not in JOB_VARIABLES}
+    try:
+        _sbatch(command, ["--test-only", *sbatch_args], unpinned)
+    except FailedPrecondition as exc:
+        if _PLUGIN_WANTS_PINS not in str(exc):
+            raise
 
 
 def submit(
     sbatch_args: list[str], env: Mapping[str, str], sbatch: str | None = None
 ) -> tuple[str, str]:
     """Run sbatch; returns the job id and sbatch's message, or raises with sbatch's reason."""
-    command = sbatch or shutil.which("sbatch")
-    if command is None:
-        raise Unavailable("sbatch is not on PATH: is this a Slurm submit host?")
-    done = subprocess.run(
-        [command, "--parsable", *sbatch_args],
-        env=dict(env),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        reason = " ".join(done.stderr.split()) or f"exit status {done.returncode}"
-        raise FailedPrecondition(f"sbatch refused the job: {reason}")
-    return done.stdout.strip().split(";")[0], done.stderr.strip()
+    stdout, stderr = _sbatch(sbatch or sbatch_command(), ["--parsable", *sbatch_args], env)
+    return stdout.strip().split(";")[0], stderr.strip()
 
 
 def job_environment(
@@ -221,12 +242,20 @@ def _run(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
     sbatch_args = _sbatch_args(args)
     parse_seed(args.seed)
     script = batch_script(sbatch_args)
+    sbatch = sbatch_command()
     with connect(config) as client:
-        index = _require_pin(client, "image", args.image)
+        # Everything that can refuse the job is asked before the first append: the pins, then
+        # sbatch; admission checks the inputs' content and appends only if it admits.
+        index = require_pin(client, "image", args.image)[0].entry.index
         _step("✓", "image verified", f"{_short(args.image)}  entry {index}")
-        index = _require_pin(client, "dataset", args.dataset)
+        index = require_pin(client, "dataset", args.dataset)[0].entry.index
         _step("✓", "dataset hash matched", f"{_short(args.dataset)}  entry {index}")
-        config_digest = _config_digest(client, args.run_config)
+        config_digest, config_name = _config_digest(client, args.run_config)
+        # Stored so that `vault replay` can submit the same script again.
+        script_digest = str(client.put(script).blob.sha256) if script else ""
+        check_submission(sbatch, sbatch_args, os.environ)
+        if config_name:
+            client.pin("config", config_digest, meta={"name": config_name})
         if config_digest:
             _step("✓", "config pinned", _short(config_digest))
         admission = client.admit(
@@ -236,14 +265,37 @@ def _run(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
             seed=args.seed,
             team=args.team,
         )
-        # Stored so that `vault replay` can submit the same script again.
-        script_digest = str(client.put(script).blob.sha256) if script else ""
-    created = "created" if admission.new else "found (same experiment)"
-    _step("✓", f"pin vault entry {created}", f"entry {admission.entry.entry.index}")
-    extra = {ENV_SCRIPT: script_digest} if script_digest else {}
-    job, _ = submit(sbatch_args, job_environment(config, admission, extra))
+        created = "created" if admission.new else "found (same experiment)"
+        _step("✓", f"pin vault entry {created}", f"entry {admission.entry.entry.index}")
+        extra = {ENV_SCRIPT: script_digest} if script_digest else {}
+        try:
+            job, _ = submit(sbatch_args, job_environment(config, admission, extra), sbatch)
+        except VaultError as exc:
+            if admission.new:
+                raise _not_submitted(client, admission, exc) from None
+            raise
     _launched(job, admission)
     return 0
+
+
+def _not_submitted(client: VaultClient, admission: Admission, failure: VaultError) -> VaultError:
+    """Record that the run this command admitted was never submitted (its admission entry is in
+    the ledger for good): a `run` entry with stage=not-submitted and sbatch's reason. Returns
+    the error to show, which says what was recorded."""
+    reason = shown(" ".join(str(failure).split()))[:_REASON_CHARS]
+    try:
+        proven = client.pin(
+            "run", admission.run_id, meta={"stage": NOT_SUBMITTED, "reason": reason}
+        )
+    except VaultError as exc:
+        return type(failure)(
+            f"{failure}; run {admission.run_id} (entry {admission.entry.entry.index}) was "
+            f"admitted but not submitted, and the vault did not record that: {exc}"
+        )
+    return type(failure)(
+        f"{failure}; run {admission.run_id} is recorded as not submitted "
+        f"(entry {proven.entry.index})"
+    )
 
 
 def _launched(job: str, admission: Admission) -> None:

@@ -14,12 +14,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 
 from tests.conftest import StartVault
 from tests.services.vault_server import VaultRun, VaultServer
 from vault.ledger.checkpoint import Checkpoint, SigningKey
 from vault.ledger.entry import KINDS, Entry
+from vault.wire import pinvault_pb2 as pb
 
 ORIGIN = "tamper.test/ledger"
 ENV = {"PINVAULT_LEDGER_ORIGIN": ORIGIN}
@@ -306,9 +308,17 @@ def test_a_rewritten_history_is_not_signed_over(
     with tampering(data) as conn:
         rewrite_history_from(conn, 6)
     server = start_vault("served", data_dir=data, env=ENV)
+    # `vault pin` asks for the vault's checkpoint first, which the server will not sign; a
+    # caller that asks for the append straight away is refused by the server too.
     pin = server.run("pin", "config", "sha256:" + "ab" * 32, "--external")
-    assert "will not append to a ledger that fails its check" in pin.error_line(alone=False)
+    assert "will not sign a ledger that fails its check" in pin.error_line(alone=False)
     assert "do not match the checkpoint for 20 entries" in pin.stderr
+    request = pb.PinRequest(
+        kind="config", subjects=["sha256:" + "cd" * 32], external=True, author="tester"
+    )
+    with server.client() as client, pytest.raises(grpc.RpcError) as refused:
+        client.ledger.Pin(request, timeout=30)
+    assert "will not append to a ledger that fails its check" in str(refused.value.details())
     run = server.run("verify")
     assert_first_break(
         run, SIZE - 1, "does not match the root signed in the checkpoint for size 20"

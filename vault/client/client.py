@@ -65,6 +65,8 @@ class VaultClient:
         self.team = team or ""
         self.timeout = timeout
         self._trust = TrustState(self.ledger, self.state, verifier_key)
+        # Whether this client has verified a checkpoint of the vault (see `pin`).
+        self._vouched = False
         self._transfer = Transfer(self.store, timeout)
         # blake3 digest -> the sha256 digest this client computed from the same bytes.
         self._aliases: dict[Digest, Digest] = {}
@@ -203,7 +205,12 @@ class VaultClient:
         meta: dict[str, str] | None = None,
         external: bool = False,
     ) -> ProvenEntry:
-        """Append a pin and return it once its inclusion in a signed checkpoint is verified."""
+        """Append a pin and return it once its inclusion in a signed checkpoint is verified.
+        The first pin of a client verifies the vault's current checkpoint before it asks (its
+        key, and consistency with the last checkpoint trusted), so that a vault this client
+        does not trust gets no entry it would then refuse to believe."""
+        if not self._vouched:
+            self.checkpoint()
         subjects = [digests] if isinstance(digests, str) else list(digests)
         request = pb.PinRequest(
             kind=kind, subjects=subjects, meta=meta or {}, external=external, author=self.author
@@ -410,7 +417,9 @@ class VaultClient:
 
     def checkpoint(self) -> Checkpoint:
         """The latest checkpoint, verified and proved consistent with the last one verified."""
-        return self._trust.advance(self.checkpoint_note(verify=False))
+        checkpoint = self._trust.advance(self.checkpoint_note(verify=False))
+        self._vouched = True
+        return checkpoint
 
     def checkpoint_note(self, *, verify: bool = True) -> str:
         """The latest checkpoint's signed note text (verified unless asked not to)."""
