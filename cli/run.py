@@ -34,6 +34,7 @@ from vault.digest import Digest
 from vault.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, VaultError
 from vault.ledger.runid import parse_seed
 from vault.runs import load_run_manifest
+from vault.runs.names import resolve_input
 from vault.runs.pins import require_pin
 from vault.runs.run import ENV_ARRAY_TASK as ARRAY_TASK
 
@@ -88,7 +89,13 @@ def add_run_commands(sub: Any, connect: Connect) -> None:
 
 def _input_arguments(p: argparse.ArgumentParser, *, config_help: str) -> None:
     p.add_argument("--image", required=True, metavar="DIGEST", help="the container image")
-    p.add_argument("--dataset", required=True, metavar="DIGEST", help="the dataset manifest")
+    p.add_argument(
+        "--dataset",
+        required=True,
+        metavar="DIGEST|NAME[@TAG]",
+        help="the dataset manifest, by digest or by name (resolved, verified, and the job "
+        "pinned by the digest)",
+    )
     p.add_argument("--config", dest="run_config", default="", help=config_help)
     p.add_argument("--seed", required=True, help="decimal or 0x-hex")
     p.add_argument("--team", default="", help="default: client.team, or your credential's team")
@@ -96,6 +103,7 @@ def _input_arguments(p: argparse.ArgumentParser, *, config_help: str) -> None:
 
 def _admit(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
     with connect(config) as client:
+        args.dataset = resolve_input(client, args.dataset)
         admission = client.admit(
             image=args.image,
             dataset=args.dataset,
@@ -246,6 +254,10 @@ def _run(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
     with connect(config) as client:
         # Everything that can refuse the job is asked before the first append: the pins, then
         # sbatch; admission checks the inputs' content and appends only if it admits.
+        named = args.dataset
+        args.dataset = resolve_input(client, named)
+        if args.dataset != named:
+            _step("✓", "dataset name resolved", f"{named} → {_short(args.dataset)}")
         index = require_pin(client, "image", args.image)[0].entry.index
         _step("✓", "image verified", f"{_short(args.image)}  entry {index}")
         index = require_pin(client, "dataset", args.dataset)[0].entry.index

@@ -134,3 +134,22 @@ def test_ignore_rules_it_cannot_follow_are_refused_before_anything_is_sent(
     line = vault.run("dataset", "add", "imagenet", str(root)).error_line()
     assert line.startswith("vault: INVALID_ARGUMENT: ") and line.endswith(why)
     assert ledger_size(vault) == size
+
+
+def test_a_job_names_its_dataset_and_is_pinned_by_the_digest_it_resolves_to(
+    vault: VaultServer, tmp_path: Path
+) -> None:
+    root = folder(tmp_path)
+    v1 = vault.run("dataset", "add", "imagenet", str(root), "--tag", "v1", "--json").ok().json()
+    image = "sha256:" + "2e" * 32
+    vault.run("pin", "image", image, "--external").ok()
+
+    admit = ("admit", "--image", image, "--seed", "5", "--json")
+    admitted = vault.run(*admit, "--dataset", "imagenet@v1").ok().json()
+    assert admitted["inputs"]["dataset"] == v1["digest"]
+    # The same inputs by digest are the same run.
+    again = vault.run(*admit, "--dataset", v1["digest"]).ok().json()
+    assert (again["run_id"], again["new"]) == (admitted["run_id"], False)
+
+    unknown = vault.run(*admit, "--dataset", "imagenet@v2").error_line()
+    assert unknown == "vault: NOT_FOUND: no dataset is pinned under the name 'imagenet@v2'"
