@@ -292,3 +292,35 @@ def test_a_stream_idle_past_its_timeout_is_ended(start_vault: StartVault) -> Non
         assert "read nothing for 1.5 seconds" in (ended.value.details() or "")
     finally:
         staller.close()
+
+
+def test_made_up_methods_are_unimplemented_and_remembered_by_no_interceptor() -> None:
+    """A caller naming thousands of methods the vault does not have gets UNIMPLEMENTED each
+    time, and neither the gatekeeper nor the metering keeps anything for them."""
+    import asyncio
+
+    from vault.server.auth import Gate
+    from vault.server.edge import Metering
+    from vault.server.gatekeeper import Gatekeeper
+
+    async def unknown(details: grpc.HandlerCallDetails) -> None:
+        return None
+
+    class Details:
+        def __init__(self, method: str) -> None:
+            self.method = method
+            self.invocation_metadata = ()
+
+    gatekeeper, metering = Gatekeeper(Gate()), Metering()
+    try:
+
+        async def call_all() -> None:
+            for n in range(5_000):
+                for interceptor in (gatekeeper, metering):
+                    found = await interceptor.intercept_service(unknown, Details(f"/x.Y/M{n}"))
+                    assert found is None
+
+        asyncio.run(call_all())
+    finally:
+        gatekeeper.close()
+    assert gatekeeper._handlers == {} and metering._handlers == {}

@@ -278,10 +278,10 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-class Metering(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Counts every call of every method by the status code it ended with, and times it
-    (vault/server/metrics.py). The outermost interceptor: calls the gatekeeper refuses count
-    too."""
+class WrappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """An interceptor that wraps each method's handler once, the first time it is called, and
+    hands out the wrapped one after. A method the server does not have is not remembered (gRPC
+    answers UNIMPLEMENTED), so callers naming made-up methods cannot grow the cache."""
 
     def __init__(self) -> None:
         self._handlers: dict[str, grpc.RpcMethodHandler] = {}
@@ -296,11 +296,28 @@ class Metering(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if path in self._handlers:
             return self._handlers[path]
         handler = await continuation(details)
-        if handler is None:  # no such method: gRPC answers UNIMPLEMENTED
+        if handler is None:
             return None
-        service, _, name = path.rpartition("/")
-        self._handlers[path] = _metered(f"{service.rpartition('.')[2]}.{name}", handler)
+        self._handlers[path] = self.wrap(path, handler)
         return self._handlers[path]
+
+    def wrap(self, path: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        raise NotImplementedError
+
+
+def rpc_name(path: str) -> str:
+    """`Service.Method` of a method's path (`/pinvault.v1.Store/Put` is `Store.Put`)."""
+    service, _, name = path.rpartition("/")
+    return f"{service.rpartition('.')[2]}.{name}"
+
+
+class Metering(WrappingInterceptor):
+    """Counts every call of every method by the status code it ended with, and times it
+    (vault/server/metrics.py). The outermost interceptor: calls the gatekeeper refuses count
+    too."""
+
+    def wrap(self, path: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        return _metered(rpc_name(path), handler)
 
 
 def _metered(rpc: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

@@ -25,7 +25,14 @@ from vault.config import Config
 from vault.errors import InvalidArgument, QuotaExceeded, Unauthenticated
 from vault.server.auth import CALLER, PERMISSIONS, Gate, Identity
 from vault.server.decoding import Undecodable, decoder, lenient
-from vault.server.edge import TRANSFERS, StreamIdle, Transfers, abort
+from vault.server.edge import (
+    TRANSFERS,
+    StreamIdle,
+    Transfers,
+    WrappingInterceptor,
+    abort,
+    rpc_name,
+)
 
 # Addresses whose failed credentials are counted at once, the least recently seen forgotten
 # first (a forgotten address starts again with a full bucket).
@@ -151,7 +158,7 @@ async def _respond(behaviour: Callable[..., Any], request: Any, context: Any) ->
         await result.aclose()
 
 
-class Gatekeeper(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class Gatekeeper(WrappingInterceptor):
     """Serves every vault method only to a caller the gate names and allows, before its request
     is read; counts streams against their caller; limits failed credentials per address."""
 
@@ -170,31 +177,17 @@ class Gatekeeper(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         )
         self._open_reads = 0
         # A method's guarded handler, by path: handlers do not change while the server runs.
-        self._handlers: dict[str, grpc.RpcMethodHandler | None] = {}
+        super().__init__()
 
     def close(self) -> None:
         if self.transfers.executor is not None:
             self.transfers.executor.shutdown(wait=False, cancel_futures=True)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        method = details.method
-        path = method.decode() if isinstance(method, bytes) else str(method)
-        if path in self._handlers:
-            return self._handlers[path]
-        handler = await continuation(details)
-        if handler is not None:
-            service, _, name = path.rpartition("/")
-            rpc = f"{service.rpartition('.')[2]}.{name}"
-            if path.startswith(_SERVICE_PREFIX) and rpc in PERMISSIONS:
-                handler = self._guarded(rpc, handler)
-            else:
-                handler = self._open(rpc, handler)
-        self._handlers[path] = handler
-        return handler
+    def wrap(self, path: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        rpc = rpc_name(path)
+        if path.startswith(_SERVICE_PREFIX) and rpc in PERMISSIONS:
+            return self._guarded(rpc, handler)
+        return self._open(rpc, handler)
 
     # ------------------------------------------------------------------ the vault's methods
 
