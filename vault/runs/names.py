@@ -7,6 +7,7 @@ is refused as ambiguous rather than resolved to whoever pinned last (`--author` 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Final
 
@@ -122,8 +123,14 @@ def _check_proven(client: VaultClient, named: NamedDataset) -> None:
         )
 
 
+# The names a job's inputs may give instead of a digest: anything else is passed on as it is,
+# for the vault to refuse in its own words (a floating tag, a malformed digest).
+_JOB_REFERENCE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*(@[A-Za-z0-9][A-Za-z0-9._+-]*)?")
+
+
 def resolve_input(client: VaultClient, reference: str, *, author: str = "") -> str:
-    """A dataset given by digest (returned as it is) or by `NAME[@TAG]` (resolved, verified)."""
-    if is_digest(reference):
+    """A dataset given by `NAME[@TAG]` (letters, digits, `.`, `_`, `+`, `-`), resolved and
+    verified; anything else (a digest, or something the vault will refuse) as it is."""
+    if is_digest(reference) or not _JOB_REFERENCE.fullmatch(reference):
         return reference
     return resolve_dataset(client, reference, author=author).digest
