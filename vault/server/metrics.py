@@ -9,20 +9,19 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final, Self
+from typing import TYPE_CHECKING, Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from vault.errors import InvalidArgument, Unavailable, VaultError
+from vault.errors import VaultError
 from vault.server.assembly import manager_of
+from vault.server.http_endpoint import NOT_CACHED, Endpoint, ReadOnlyHandler
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
     from tiers.migrate import Migrator
     from tiers.scrub import Scrubber
     from tiers.worker import Worker
@@ -317,43 +316,40 @@ def registry_for(sources: Sources) -> CollectorRegistry:
     return registry
 
 
-class MetricsServer:
-    """`/metrics` (the Prometheus text format) over HTTP on `host`:`port` (port 0: one the
-    system picks, read back in `url` once started)."""
+class _Handler(ReadOnlyHandler):
+    server_version = "pinvault-metrics"
 
-    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.registry = registry
-        self.host = host
-        self._port = port
-        self._server: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        if self._server is None:
-            raise RuntimeError("the metrics server is not started")
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self._server.server_address[1]}/metrics"
-
-    def start(self) -> Self:
-        if not 0 <= self._port <= 65535:
-            raise InvalidArgument(f"a metrics port is 0 to 65535, not {self._port}")
-        try:
-            self._server, self._thread = start_http_server(self._port, self.host, self.registry)
-        except OSError as exc:
-            raise Unavailable(
-                f"cannot serve metrics on {self.host}:{self._port}: {exc.strerror or exc}"
-            ) from None
-        return self
-
-    def stop(self) -> None:
-        server, self._server = self._server, None
-        if server is None:
+    def respond(self, *, body: bool) -> None:
+        metrics = self.server.endpoint
+        assert isinstance(metrics, MetricsServer)
+        if self.target().partition("?")[0] != metrics.path:
+            self.answer(404, "not found\n", NOT_CACHED, body=body)
             return
-        server.shutdown()
-        server.server_close()
-        if self._thread is not None:
-            self._thread.join()
+        # The format the scraper asks for (Prometheus's own negotiation, as its HTTP server does).
+        encode, content_type = choose_encoder(self.headers.get("Accept", ""))
+        self.answer(200, encode(metrics.registry), NOT_CACHED, content_type=content_type, body=body)
+
+
+class MetricsServer(Endpoint):
+    """`/metrics` (the Prometheus text format) over HTTP on `host`:`port` (port 0: one the
+    system picks), on the bounded server the tiles use: a few scrapes at once are plenty, and
+    a caller who opens connections and sends nothing holds no more than those threads."""
+
+    what = "metrics"
+    handler = _Handler
+    path = "/metrics"
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        threads: int = 4,
+        timeout: float = 10.0,
+    ) -> None:
+        super().__init__(host, port, threads=threads, timeout=timeout)
+        self.registry = registry
 
 
 def serve_metrics(sources: Sources, address: tuple[str, int]) -> MetricsServer:
