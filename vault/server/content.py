@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from sqlalchemy import select, text
 
@@ -182,19 +182,26 @@ class Content:
         sha, b3, size, stored_at = rows[0]
         return StoredBlob(BlobInfo(Digest.parse(sha), Digest.parse(b3), size), stored_at)
 
-    _FIND_MANY = "SELECT sha256, blake3, size, stored_at FROM blobs WHERE sha256 IN ({})"
+    _FIND_MANY = "SELECT sha256, blake3, size, stored_at FROM blobs WHERE sha256 IN ({0})"
 
     def find_many(self, sha256s: list[Digest]) -> dict[Digest, StoredBlob]:
         """The catalogued blobs among these sha256 digests, by digest."""
         found: dict[Digest, StoredBlob] = {}
-        unique = list(dict.fromkeys(str(d) for d in sha256s))
-        for start in range(0, len(unique), _QUERY_BATCH):
-            part = unique[start : start + _QUERY_BATCH]
-            sql = self._FIND_MANY.format(tables.placeholders(len(part)))
-            for sha, b3, size, stored_at in self.db.fetch(sql, part):
+        for _, rows in self._batches(self._FIND_MANY, list(dict.fromkeys(map(str, sha256s)))):
+            for sha, b3, size, stored_at in rows:
                 info = BlobInfo(Digest.parse(sha), Digest.parse(b3), size)
                 found[info.sha256] = StoredBlob(info, stored_at)
         return found
+
+    def _batches(
+        self, sql: str, values: Sequence[str], *, times: int = 1
+    ) -> Iterator[tuple[Sequence[str], list[tuple[Any, ...]]]]:
+        """Each batch of `values` and the rows of `sql` for it: its `{0}` placeholders are
+        the batch, `times` over."""
+        for start in range(0, len(values), _QUERY_BATCH):
+            part = values[start : start + _QUERY_BATCH]
+            sql_for = sql.format(tables.placeholders(len(part)))
+            yield part, self.db.fetch(sql_for, list(part) * times)
 
     def get(self, digest: Digest) -> StoredBlob:
         found = self.find(digest)
@@ -210,26 +217,20 @@ class Content:
         for d in wanted:
             check_digest(d)
         present: set[str] = set()
-        unique = list(dict.fromkeys(wanted))
-        for start in range(0, len(unique), _QUERY_BATCH):
-            part = unique[start : start + _QUERY_BATCH]
-            sql = self._PRESENT.format(tables.placeholders(len(part)))
-            for sha, b3 in self.db.fetch(sql, part + part):
+        for _, rows in self._batches(self._PRESENT, list(dict.fromkeys(wanted)), times=2):
+            for sha, b3 in rows:
                 present.add(sha)
                 present.add(b3)
         return [d for d in wanted if d not in present]
 
-    _HAVE_SHA256 = "SELECT sha256 FROM blobs WHERE sha256 IN ({})"
+    _HAVE_SHA256 = "SELECT sha256 FROM blobs WHERE sha256 IN ({0})"
 
     def lacking(self, sha256s: Sequence[str]) -> set[str]:
         """Those of these well formed `sha256:` digests that are not catalogued. Given in
         sorted order, neighbouring look-ups share the index pages they read: a million take
         about a second."""
         lacking: set[str] = set()
-        for start in range(0, len(sha256s), _QUERY_BATCH):
-            part = sha256s[start : start + _QUERY_BATCH]
-            sql = self._HAVE_SHA256.format(tables.placeholders(len(part)))
-            found = self.db.fetch(sql, part)
+        for part, found in self._batches(self._HAVE_SHA256, sha256s):
             if len(found) < len(set(part)):
                 lacking.update(set(part).difference(sha for (sha,) in found))
         return lacking
