@@ -313,6 +313,7 @@ async def _serve(
         tls=tls,
         desk=desk,
         scrub=scrub,
+        metered=metrics_url is not None,
     )
     await server.start()
     started(

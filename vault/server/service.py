@@ -52,17 +52,21 @@ async def build_server(
     tls: grpc.ServerCredentials | None = None,
     desk: Desk | None = None,
     scrub: ScrubRunner | None = None,
+    metered: bool = False,
 ) -> tuple[grpc.aio.Server, str]:
     """An asyncio gRPC server with the vault's services, health and reflection; returns it and
     where it listens (the real port when `listen` asked for port 0); `await server.start()`
     next. `gatekeeper` names every caller before its request is read and bounds its streams
     (without one, local mode with the default limits); with `tokens`, administrators
     manage them over the Tokens service; with `desk`, clients on this host may hand files over
-    (vault/store/handoff.py); with `scrub`, Store.Scrub checks every tier on demand."""
+    (vault/store/handoff.py); with `scrub`, Store.Scrub checks every tier on demand; `metered`
+    counts and times every call for the metrics (only when someone may scrape them: it costs
+    each call a little)."""
     gatekeeper = gatekeeper or Gatekeeper(Gate())
     gate = gatekeeper.gate
     # Metering first, so that it counts the calls the gatekeeper refuses too.
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[Metering(), gatekeeper])
+    interceptors = [Metering(), gatekeeper] if metered else [gatekeeper]
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     ledger_service = LedgerService(ledger, content)
     servicers: list[Service] = [StoreService(content, ledger, desk, scrub), ledger_service]
     if admitter is not None:
