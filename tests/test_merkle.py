@@ -400,3 +400,58 @@ def test_large_tree_agrees_with_compact_range_and_proves_inclusion() -> None:
         verify_consistency(
             old, new, tree.root(old), tree.root(new), tree.consistency_proof(old, new)
         )
+
+
+def _leaves(count: int) -> list[bytes]:
+    return [leaf_hash(n.to_bytes(4, "big")) for n in range(count)]
+
+
+@pytest.mark.parametrize("size", [256, 300, 512, 1000, 2 * 65536 + 300])
+def test_a_tree_resumed_from_its_height_8_nodes_answers_as_the_whole_tree(size: int) -> None:
+    """Resumed from the nodes of height 8 of its whole tiles, reading the leaf hashes of a tile
+    back only when a proof needs them, a tree gives the roots and proofs of the whole tree, and
+    goes on growing and letting go of what its tiles hold."""
+    leaves = _leaves(size + 700)
+    whole = MerkleTree(leaves[:size])
+    base = size // 256 * 256
+    read: list[int] = []
+
+    def lower(tile: int) -> list[bytes]:
+        read.append(tile)
+        return [b"".join(leaves[tile * 256 : tile * 256 + 256])]
+
+    tree = MerkleTree.resume(base, whole.nodes(8, 0, base // 256), lower)
+    tree.extend(leaves[base:size])
+    assert (tree.size, tree.base, tree.root()) == (size, base, whole.root())
+    assert not read
+    for index in range(0, size, max(size // 50, 1)):
+        assert tree.leaf(index) == whole.leaf(index)
+        assert tree.inclusion_proof(index, size) == whole.inclusion_proof(index, size)
+        assert tree.root(index + 1) == whole.root(index + 1)
+        assert tree.consistency_proof(index + 1, size) == whole.consistency_proof(index + 1, size)
+    assert tree.nodes(0, 0, size) == whole.nodes(0, 0, size)
+    assert read
+    for leaf in leaves[size : size + 300]:
+        tree.append(leaf)
+        whole.append(leaf)
+    tree.extend(leaves[size + 300 :])
+    whole.extend(leaves[size + 300 :])
+    assert tree.retire(tree.size, lower) == tree.size // 256 * 256
+    assert tree.root() == whole.root()
+    assert tree.inclusion_proof(size + 100, tree.size) == whole.inclusion_proof(
+        size + 100, tree.size
+    )
+
+
+def test_leaf_hashes_read_back_are_checked_and_a_wrong_candidate_is_passed_over() -> None:
+    leaves = _leaves(1024)
+    whole = MerkleTree(leaves)
+    right = b"".join(leaves[256:512])
+    candidates = {1: [right[32:] + right[:32], b"short", right]}
+    tree = MerkleTree.resume(1024, whole.nodes(8, 0, 4), lambda t: candidates.get(t, []))
+    assert tree.inclusion_proof(300, 1024) == whole.inclusion_proof(300, 1024)
+    with pytest.raises(VerificationError, match="entries 512 to 767 do not hash") as caught:
+        tree.inclusion_proof(600, 1024)
+    assert caught.value.index == 512
+    with pytest.raises(ValueError, match="resumes from 4 nodes of height 8"):
+        MerkleTree.resume(1024, whole.nodes(8, 0, 3), lambda t: [])

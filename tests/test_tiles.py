@@ -361,6 +361,88 @@ def test_a_restart_writes_again_what_a_lost_checkpoint_file_no_longer_vouches_fo
     assert vault.check(leaves=[800]).status == 0
 
 
+def _proofs(ledger: Ledger, size: int) -> list[list[bytes]]:
+    return [ledger.inclusion_proof(index, size) for index in range(0, size, 97)] + [
+        ledger.consistency_proof(old, size) for old in (1, 255, 256, 1000, size - 1)
+    ]
+
+
+def test_a_restart_takes_the_tree_from_the_tiles_and_reads_a_damaged_one_from_the_database(
+    vault: Vault, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At start the tree comes from the published tiles (checked against their signed root)
+    and the entries stored since; a leaf tile found damaged when a proof needs it is read from
+    the database instead, and written again."""
+    vault.grow(SIZE)
+    proofs = _proofs(vault.ledger, SIZE)
+    good = (vault.tiles / "tile/0/002").read_bytes()
+    vault.ledger.close()
+    vault.db.dispose()
+    (vault.tiles / "tile/0/002").write_bytes(bytes(reversed(good)))
+
+    with caplog.at_level(logging.WARNING, logger=ledger_log.__name__):
+        vault.db, vault.ledger = _open(vault.data, vault.key)
+        assert vault.ledger.fault is None
+        assert _proofs(vault.ledger, SIZE) == proofs
+    assert "tile/0/002 is missing or damaged" in caplog.text
+    assert "loading the tree from the database" not in caplog.text
+
+    vault.ledger.write_tiles()
+    assert (vault.tiles / "tile/0/002").read_bytes() == good
+    assert vault.check(leaves=[600]).status == 0
+
+
+def test_tiles_that_do_not_give_the_signed_root_are_not_trusted_and_are_written_again(
+    vault: Vault, caplog: pytest.LogCaptureFixture
+) -> None:
+    vault.grow(SIZE)
+    proofs = _proofs(vault.ledger, SIZE)
+    stratum = vault.tiles / "tile/1/000.p/13"
+    good = stratum.read_bytes()
+    vault.ledger.close()
+    vault.db.dispose()
+    stratum.write_bytes(good[32:] + good[:32])
+
+    with caplog.at_level(logging.WARNING, logger=ledger_log.__name__):
+        vault.db, vault.ledger = _open(vault.data, vault.key)
+        assert vault.ledger.fault is None
+        assert _proofs(vault.ledger, SIZE) == proofs
+    assert "do not match the stored entries: loading the tree from the database" in caplog.text
+    # The checkpointer checks every tile first thing.
+    deadline = time.monotonic() + 30
+    while stratum.read_bytes() != good and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stratum.read_bytes() == good
+    assert vault.check(leaves=[1, SIZE - 1]).status == 0
+
+
+def test_the_tree_lets_go_of_what_the_tiles_hold_and_still_proves_everything(
+    vault: Vault, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(ledger_log, "RETIRE_STEP", 256)
+    vault.grow(SIZE)
+    vault.ledger.append([_pin(n) for n in range(SIZE, SIZE + 300)])
+    size = vault.ledger.size
+    with vault.db.read.connect() as conn:
+        leaves = conn.execute(text("SELECT leaf_hash FROM entries ORDER BY idx")).scalars().all()
+    whole = MerkleTree(bytes(leaf) for leaf in leaves)
+    for index in (0, 255, 256, 1700, SIZE - 1, size - 1):
+        assert vault.ledger.leaf(index) == whole.leaf(index)
+        assert vault.ledger.inclusion_proof(index, size) == whole.inclusion_proof(index, size)
+    for old in (1, 300, SIZE, size - 1):
+        assert vault.ledger.consistency_proof(old, size) == whole.consistency_proof(old, size)
+    assert vault.ledger.checkpoint(size).checkpoint.root == whole.root()
+
+    (vault.tiles / "tile/0/005").unlink()
+    with caplog.at_level(logging.WARNING, logger=ledger_log.__name__):
+        assert vault.ledger.inclusion_proof(5 * 256 + 7, size) == whole.inclusion_proof(
+            5 * 256 + 7, size
+        )
+    assert "tile/0/005 is missing or damaged" in caplog.text
+    vault.ledger.write_tiles()
+    assert (vault.tiles / "tile/0/005").read_bytes() == whole.nodes(0, 5 * 256, 6 * 256)
+
+
 # -- the HTTP endpoint ---------------------------------------------------------------------
 
 

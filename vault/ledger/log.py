@@ -36,9 +36,9 @@ from vault.ledger.entry import (
     now,
 )
 from vault.ledger.last_signed import LastSigned
-from vault.ledger.merkle import MerkleTree, leaf_hash
+from vault.ledger.merkle import STRATUM, TILE_LEAVES, MerkleTree, leaf_hash
 from vault.ledger.records import LogFilter, PinSpec, RawEntry, SignedCheckpoint, StoredEntry
-from vault.ledger.tiles import TILE_HEIGHT, TileStore
+from vault.ledger.tiles import TILE_HEIGHT, Tile, TileStore
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,10 @@ READ_BATCH: Final = 2_000
 QUERY_BATCH: Final = 500
 # Entries whose full tiles one step of a catch-up writes while signing waits.
 TILES_STEP: Final = 1 << 14
+# Leaf hashes loaded from the database at once.
+LOAD_BATCH: Final = 1 << 16
+# Leaves whose low nodes the tree lets go of at once, once their tiles are on disk.
+RETIRE_STEP: Final = 1 << 16
 
 
 class _Append:
@@ -100,6 +104,7 @@ _READ_ENTRIES: Final = (
 )
 _READ_SUBJECTS: Final = "SELECT idx, digest FROM entry_subjects WHERE idx > ? AND idx <= ?"
 _READ_BODIES: Final = "SELECT body FROM entries WHERE idx >= ? AND idx < ? ORDER BY idx"
+_READ_LEAVES: Final = "SELECT idx, leaf_hash FROM entries WHERE idx >= ? AND idx < ? ORDER BY idx"
 # The distinct prefixes size // 256**level of the checkpoints signed in a range of sizes: each
 # one a partial tile at that level.
 _SIGNED_PREFIXES: Final = "SELECT DISTINCT size / ? FROM checkpoints WHERE size > ? AND size <= ?"
@@ -143,6 +148,10 @@ class Ledger:
         # The size of the checkpoint the tile folder publishes, and who writes tiles now.
         self._published = 0
         self._tiles_lock = threading.Lock()
+        # Level 0 tiles the tree found missing or damaged, to write again.
+        self._damaged_tiles: set[int] = set()
+        # Whether the tiles failed to give the signed tree at start: all are checked first.
+        self._tiles_suspect = False
         self.key = key
         self.verifier: Verifier = key.verifier()
         self.origin = origin
@@ -158,7 +167,7 @@ class Ledger:
         # `vault verify` can say where it broke; appends and proofs past the break are refused.
         self.fault: VerificationError | None = None
         try:
-            self.sync()
+            self._open_tree()
             self._check_last_signed()
         except VerificationError as exc:
             self.fault = exc
@@ -292,19 +301,87 @@ class Ledger:
         self._tree.extend(leaves)
         return results
 
+    def _open_tree(self) -> None:
+        """Load the tree: from the tiles of the published checkpoint and the entries stored
+        since, when those agree with its signed root; otherwise from every stored leaf hash.
+        Either way memory holds the nodes below height 8 of the last tile's leaves only once
+        the tiles are written (see `_retire`)."""
+        signed = None if self.tiles is None else self.tiles.signed(self.verifier)
+        if signed is not None and signed.size >= TILE_LEAVES:
+            assert self.tiles is not None
+            base = (signed.size >> STRATUM) << STRATUM
+            stratum = self.tiles.hashes(1, base >> STRATUM)
+            if stratum is not None:
+                self._tree = MerkleTree.resume(base, stratum, self._lower_leaves)
+                with contextlib.suppress(VerificationError):
+                    self.sync()
+                    if self._tree.root(signed.size) == signed.root:
+                        return
+            log.warning(
+                "the tiles in %s do not match the stored entries: loading the tree from the "
+                "database, and checking every tile",
+                self.tiles.root,
+            )
+            self._tree = MerkleTree()
+            self._tiles_suspect = True
+        self.sync()
+
+    def _lower_leaves(self, tile: int) -> Iterator[bytes]:
+        """The leaf hashes of level 0 tile `tile`: from the tile on disk, else (the tree found
+        it missing or damaged) from the database."""
+        first = tile * TILE_LEAVES
+        if self.tiles is not None:
+            found = self.tiles.full(0, tile)
+            if found is not None:
+                yield found
+            log.warning(
+                "%s is missing or damaged: reading the leaf hashes of entries %d to %d from "
+                "the database, and writing the tile again",
+                Tile(0, tile).path,
+                first,
+                first + TILE_LEAVES - 1,
+            )
+            self._damaged_tiles.add(tile)
+        rows = self.db.fetch(_READ_LEAVES, (first, first + TILE_LEAVES))
+        yield b"".join(bytes(leaf) for (_, leaf) in rows)
+
+    def _rewrite_damaged(self) -> None:
+        """Write again the level 0 tiles the tree found missing or damaged."""
+        if self.tiles is None or not self._damaged_tiles:
+            return
+        with self._tiles_lock:
+            damaged = sorted(self._damaged_tiles)
+            self._damaged_tiles.difference_update(damaged)
+            self.tiles.rewrite([Tile(0, t) for t in damaged], self._tree.nodes, self._bodies)
+
+    def _retire(self) -> None:
+        """Let the tree go of the low nodes of leaves whose full tiles are on disk, once enough
+        of them are held to be worth it."""
+        if self.tiles is None or self.fault is not None:
+            return
+        if self.tiles.complete - self._tree.base >= RETIRE_STEP:
+            with self._tree_lock:
+                self._tree.retire(self.tiles.complete, self._lower_leaves)
+
     def _catch_up(self, query: Query, size: int, last: bytes) -> None:
-        """Load leaf hashes that other servers appended since this tree last looked."""
+        """Load leaf hashes that other servers appended since this tree last looked, a batch
+        at a time."""
         have = self._tree.size
         if size > have:
             expected = have
-            for idx, leaf in query(
-                "SELECT idx, leaf_hash FROM entries WHERE idx >= ? AND idx < ? ORDER BY idx",
-                (have, size),
-            ):
-                if idx != expected:
-                    raise VerificationError(f"ledger entry {expected} is missing", index=expected)
-                self._tree.append(bytes(leaf))
-                expected += 1
+            while expected < size:
+                rows = query(_READ_LEAVES, (expected, min(size, expected + LOAD_BATCH)))
+                leaves = []
+                for idx, leaf in rows:
+                    if idx != expected:
+                        raise VerificationError(
+                            f"ledger entry {expected} is missing", index=expected
+                        )
+                    leaves.append(bytes(leaf))
+                    expected += 1
+                if not leaves:
+                    break
+                self._tree.extend(leaves)
             if expected != size:
                 raise VerificationError(f"ledger entry {expected} is missing", index=expected)
         elif size < have:
@@ -368,9 +445,16 @@ class Ledger:
         published size needs. The checkpointer does it once an interval, off the path of
         appends and signing (tiles are derived from the stored entries, so a crash loses none
         that cannot be written again); a long catch-up (a ledger that had no tiles) goes a
-        step at a time."""
+        step at a time. Then it writes again the tiles found damaged, and lets the tree go of
+        what the tiles on disk now hold."""
         if self.tiles is None:
             return
+        self._write_new_tiles()
+        self._rewrite_damaged()
+        self._retire()
+
+    def _write_new_tiles(self) -> None:
+        assert self.tiles is not None
         while not self._closed.is_set():
             with self._tiles_lock:
                 latest = self._latest
@@ -481,6 +565,8 @@ class Ledger:
     def _checkpoint_loop(self, interval: float) -> None:
         # First the tiles a previous run left unwritten, off the path of start-up.
         self._guarded(self.write_tiles)
+        if self._tiles_suspect:
+            self._guarded(self.repair_tiles)
         while not self._closed.wait(interval):
             self._guarded(self._checkpoint_step)
 

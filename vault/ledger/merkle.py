@@ -1,10 +1,13 @@
-"""The ledger's Merkle tree (RFC 9162 §2.1, SHA-256): hashing, an append-only in-memory tree that
-answers proofs, and the pure functions that verify inclusion and consistency proofs."""
+"""The ledger's Merkle tree (RFC 9162 §2.1, SHA-256): hashing, an append-only tree that answers
+proofs (from memory, and for its older leaves from tiles read back a tile at a time), and the
+pure functions that verify inclusion and consistency proofs."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 from vault.errors import VerificationError
@@ -33,30 +36,74 @@ def _largest_power_of_two_below(n: int) -> int:
 
 
 _EDGE_CACHE = 4096
+# The tree height of one level 0 tile of C2SP tlog-tiles (256 leaves). A tree may keep the nodes
+# below this height outside memory for whole tiles of leaves, and read them back a tile at a time.
+STRATUM: Final = 8
+TILE_LEAVES: Final = 1 << STRATUM
+_TILE_CACHE = 256
+
+# `lower(t)`: candidates, best first, for the 256 leaf hashes (concatenated) of leaves 256 × t to
+# 256 × t + 255; the tree takes the first whose subtree root is its own node of height 8.
+LowerLeaves = Callable[[int], Iterable[bytes]]
 
 
 class MerkleTree:
-    """An append-only Merkle tree over leaf hashes, kept in memory to answer proofs quickly.
+    """An append-only Merkle tree over leaf hashes that answers roots and proofs.
 
     Level 0 holds the leaf hashes; level k holds the roots of the complete perfect subtrees of
     2**k leaves, all as 32-byte hashes concatenated in one bytearray per level (about 64 bytes
     per leaf in all). Any root or proof is assembled from O(log n) stored nodes.
 
-    One thread may append while others read: `size` is published only once every level has
-    been updated, so a reader that stays within `size` sees only complete nodes.
+    A tree can let go of the nodes below height 8 of its first leaves, a multiple of 256 of them
+    (`resume`, `retire`): those are read back a tile at a time from `lower`, each tile checked
+    against the node of height 8 kept for it, so that memory holds about a byte for every four
+    leaves let go.
+
+    One thread may append (or retire) while others read: `size` is published only once every
+    level has been updated, and the levels a reader uses are taken with the first leaf they
+    start at, as one value, after the size.
     """
 
-    __slots__ = ("_edges", "_levels", "_size")
+    __slots__ = ("_cache", "_cache_lock", "_edges", "_lower", "_size", "_state")
 
     def __init__(self, leaf_hashes: Iterable[bytes] = ()) -> None:
-        self._levels: list[bytearray] = [bytearray()]
+        # (the first leaf whose nodes below STRATUM are in memory, the levels): level k < STRATUM
+        # starts at node base >> k, every level from STRATUM up at node 0.
+        self._state: tuple[int, list[bytearray]] = (0, [bytearray()])
         self._size = 0
         self._edges: dict[tuple[int, int], bytes] = {}
+        self._lower: LowerLeaves | None = None
+        self._cache: OrderedDict[int, list[bytes]] = OrderedDict()
+        self._cache_lock = threading.Lock()
         self.extend(leaf_hashes)
+
+    @classmethod
+    def resume(cls, size: int, stratum: bytes, lower: LowerLeaves) -> MerkleTree:
+        """The tree of `size` leaves, a multiple of 256, from its nodes of height 8 alone
+        (`stratum`, concatenated); the nodes below are read from `lower` when needed."""
+        if size % TILE_LEAVES or len(stratum) != (size >> STRATUM) * HASH_SIZE:
+            raise ValueError(
+                f"a tree of {size} leaves resumes from {size >> STRATUM} nodes of height "
+                f"{STRATUM} ({len(stratum) // HASH_SIZE} given)"
+            )
+        tree = cls()
+        if not size:
+            return tree
+        levels = [bytearray() for _ in range(STRATUM)] + [bytearray(stratum)]
+        _grow(levels, STRATUM, 0, size)
+        tree._lower = lower
+        tree._state = (size, levels)
+        tree._size = size
+        return tree
 
     @property
     def size(self) -> int:
         return self._size
+
+    @property
+    def base(self) -> int:
+        """The first leaf whose nodes below height 8 are held in memory."""
+        return self._state[0]
 
     def __len__(self) -> int:
         return self._size
@@ -64,10 +111,12 @@ class MerkleTree:
     def append(self, leaf_hash: bytes) -> None:
         if len(leaf_hash) != HASH_SIZE:
             raise ValueError(f"a leaf hash is {HASH_SIZE} bytes, found {len(leaf_hash)}")
-        levels = self._levels
+        _, levels = self._state
         node = bytes(leaf_hash)
         levels[0] += node
-        # Each trailing zero bit of the new size completes one more perfect subtree.
+        # Each trailing zero bit of the new size completes one more perfect subtree. Its left
+        # half is in memory: below STRATUM, a pair never straddles the first leaf held, which
+        # is a multiple of 256.
         count = self._size + 1
         level = 0
         while not count & 1:
@@ -87,28 +136,33 @@ class MerkleTree:
         if set(map(len, hashes)) != {HASH_SIZE}:
             bad = next(h for h in hashes if len(h) != HASH_SIZE)
             raise ValueError(f"a leaf hash is {HASH_SIZE} bytes, found {len(bad)}")
-        levels = self._levels
+        base, levels = self._state
         old = self._size
         new = old + len(hashes)
         levels[0] += b"".join(hashes)
-        sha, prefix = _sha256, _NODE_PREFIX
-        level = 0
-        while new >> (level + 1):
-            if level + 1 == len(levels):
-                levels.append(bytearray())
-            start = (old >> (level + 1)) * 64
-            end = (new >> (level + 1)) * 64
-            below = bytes(levels[level][start:end])
-            levels[level + 1] += b"".join(
-                [sha(prefix + below[i : i + 64]).digest() for i in range(0, end - start, 64)]
-            )
-            level += 1
+        _grow(levels, 0, old, new, base)
         self._size = new
+
+    def retire(self, upto: int, lower: LowerLeaves) -> int:
+        """Let go of the nodes below height 8 of the leaves under `upto` (rounded down to a
+        multiple of 256), which `lower` can give back; returns the first leaf still held whole.
+        The caller keeps appends out meanwhile."""
+        base, levels = self._state
+        new_base = (min(upto, self._size) >> STRATUM) << STRATUM
+        if new_base <= base:
+            return base
+        kept = [
+            bytearray(levels[k][((new_base >> k) - (base >> k)) * HASH_SIZE :])
+            for k in range(STRATUM)
+        ]
+        self._lower = lower
+        self._state = (new_base, kept + levels[STRATUM:])
+        return new_base
 
     def leaf(self, index: int) -> bytes:
         if not 0 <= index < self._size:
             raise ValueError(f"no leaf {index}: the tree has {self._size} leaves")
-        return bytes(self._levels[0][index * HASH_SIZE : (index + 1) * HASH_SIZE])
+        return self._node(0, index)
 
     def nodes(self, height: int, start: int, end: int) -> bytes:
         """The roots of the perfect subtrees of 2**height leaves numbered `start` to `end` - 1,
@@ -117,9 +171,11 @@ class MerkleTree:
             raise ValueError(
                 f"no nodes {start} to {end} of height {height}: the tree has {self._size} leaves"
             )
-        if start == end:
-            return b""
-        return bytes(self._levels[height][start * HASH_SIZE : end * HASH_SIZE])
+        base, levels = self._state
+        first = base >> height if height < STRATUM else 0
+        if start >= first:
+            return bytes(levels[height][(start - first) * HASH_SIZE : (end - first) * HASH_SIZE])
+        return b"".join(self._node(height, index) for index in range(start, end))
 
     def root(self, size: int | None = None) -> bytes:
         """The root of the tree of the first `size` leaves (default: all of them)."""
@@ -141,13 +197,11 @@ class MerkleTree:
         # is a stored perfect subtree, or the tree's ragged right edge (a cached range root), or
         # absent when the path's node is the level's last and is carried up as it is.
         path: list[bytes] = []
-        levels = self._levels
         node, last, level = index, size - 1, 0
         while last:
             sibling = node ^ 1
             if sibling < last or (sibling == last and (sibling + 1) << level <= size):
-                at = sibling * HASH_SIZE
-                path.append(bytes(levels[level][at : at + HASH_SIZE]))
+                path.append(self._node(level, sibling))
             elif sibling == last:
                 path.append(self._subtree_root(sibling << level, size))
             node >>= 1
@@ -179,7 +233,49 @@ class MerkleTree:
         return proof
 
     def _node(self, level: int, index: int) -> bytes:
-        return bytes(self._levels[level][index * HASH_SIZE : (index + 1) * HASH_SIZE])
+        base, levels = self._state
+        first = base >> level if level < STRATUM else 0
+        if index >= first:
+            at = (index - first) * HASH_SIZE
+            return bytes(levels[level][at : at + HASH_SIZE])
+        tile = index >> (STRATUM - level)
+        at = (index - (tile << (STRATUM - level))) * HASH_SIZE
+        return self._tile_levels(tile)[level][at : at + HASH_SIZE]
+
+    def _tile_levels(self, tile: int) -> list[bytes]:
+        """The nodes below height 8 of the leaves of level 0 tile `tile`, a level a list item,
+        from the first candidate `lower` gives that hashes to the node of height 8 held."""
+        with self._cache_lock:
+            found = self._cache.get(tile)
+            if found is not None:
+                self._cache.move_to_end(tile)
+                return found
+        assert self._lower is not None
+        expected = self._node(STRATUM, tile)
+        for candidate in self._lower(tile):
+            if len(candidate) != TILE_LEAVES * HASH_SIZE:
+                continue
+            levels = [bytes(candidate)]
+            for _ in range(STRATUM):
+                below = levels[-1]
+                levels.append(
+                    b"".join(
+                        _sha256(_NODE_PREFIX + below[i : i + 64]).digest()
+                        for i in range(0, len(below), 64)
+                    )
+                )
+            if levels.pop() == expected:
+                with self._cache_lock:
+                    self._cache[tile] = levels
+                    if len(self._cache) > _TILE_CACHE:
+                        self._cache.popitem(last=False)
+                return levels
+        first = tile * TILE_LEAVES
+        raise VerificationError(
+            f"the leaf hashes of entries {first} to {first + TILE_LEAVES - 1} do not hash to "
+            "the tree's node over them",
+            index=first,
+        )
 
     def _subtree_root(self, start: int, end: int) -> bytes:
         """MTH(D[start:end]) for a range that is a node of the tree: `start` is a multiple of
@@ -207,6 +303,23 @@ class MerkleTree:
             self._edges.clear()
         self._edges[(start, end)] = node
         return node
+
+
+def _grow(levels: list[bytearray], level: int, old: int, new: int, base: int = 0) -> None:
+    """Add to `levels` (level k < STRATUM starting at node base >> k) the nodes from height
+    `level` + 1 up that leaves `old` to `new` - 1 complete, given those at height `level`."""
+    sha, prefix = _sha256, _NODE_PREFIX
+    while new >> (level + 1):
+        if level + 1 == len(levels):
+            levels.append(bytearray())
+        first = base >> level if level < STRATUM else 0
+        start = ((old >> (level + 1)) * 2 - first) * HASH_SIZE
+        end = ((new >> (level + 1)) * 2 - first) * HASH_SIZE
+        below = bytes(levels[level][start:end])
+        levels[level + 1] += b"".join(
+            [sha(prefix + below[i : i + 64]).digest() for i in range(0, end - start, 64)]
+        )
+        level += 1
 
 
 class CompactRange:

@@ -19,7 +19,7 @@ from typing import Final
 
 from vault.errors import DiskFull, Unavailable, VerificationError, is_disk_full
 from vault.files import fsync_dir, write_all
-from vault.ledger.checkpoint import Verifier
+from vault.ledger.checkpoint import Checkpoint, Verifier
 from vault.ledger.merkle import HASH_SIZE, leaf_hash
 
 log = logging.getLogger(__name__)
@@ -189,29 +189,64 @@ class TileStore:
     def complete(self) -> int:
         return self._complete
 
-    def resume(self, verifier: Verifier, size: int, root: Callable[[int], bytes]) -> int:
-        """Take up from the published checkpoint, if it is one this ledger of `size` entries
-        (with Merkle roots `root(n)`) signed; returns the size its tiles reach (0: none)."""
+    def signed(self, verifier: Verifier) -> Checkpoint | None:
+        """The published checkpoint, if it is validly signed by `verifier`'s key."""
         path = self.root / CHECKPOINT
         try:
             note = path.read_text("utf-8")
         except FileNotFoundError:
-            return 0
+            return None
         except (OSError, UnicodeDecodeError) as exc:
             log.warning("cannot read %s (%s): writing every tile again", path, exc)
-            return 0
+            return None
         try:
-            checkpoint = verifier.open(note)
-            if checkpoint.size > size or checkpoint.root != root(checkpoint.size):
-                raise VerificationError("it does not match the stored entries")
+            return verifier.open(note)
         except VerificationError as exc:
+            log.warning("%s is not a checkpoint of this ledger (%s)", path, exc)
+            return None
+
+    def resume(self, verifier: Verifier, size: int, root: Callable[[int], bytes]) -> int:
+        """Take up from the published checkpoint, if it is one this ledger of `size` entries
+        (with Merkle roots `root(n)`) signed; returns the size its tiles reach (0: none)."""
+        checkpoint = self.signed(verifier)
+        if checkpoint is None:
+            return 0
+        if checkpoint.size > size or checkpoint.root != root(checkpoint.size):
             log.warning(
-                "%s is not this ledger's checkpoint (%s): writing every tile again", path, exc
+                "%s does not match the stored entries: writing every tile again",
+                self.root / CHECKPOINT,
             )
             return 0
         with self._lock:
             self._complete = self._published = checkpoint.size
         return checkpoint.size
+
+    def full(self, level: int, index: int) -> bytes | None:
+        """The full tile `index` of tile level `level` as it is on disk (unchecked), or None."""
+        data = self._read(Tile(level, index).path, TILE_WIDTH * HASH_SIZE + 1)
+        return data if data is not None and len(data) == TILE_WIDTH * HASH_SIZE else None
+
+    def rewrite(self, tiles: Iterable[Tile], nodes: Nodes, bodies: Bodies) -> int:
+        """Write these tiles (and the entry bundles of level 0 ones) again where they differ
+        from the stored hashes and entries; returns how many files were written."""
+        with self._writing():
+            return self._write_tiles(sorted(set(tiles)), nodes, bodies)
+
+    def hashes(self, level: int, count: int) -> bytes | None:
+        """The first `count` hashes of tile level `level` from the tiles on disk (full tiles,
+        then a full or partial one for the rest), or None if any is missing or short. Nothing
+        here is checked: the caller checks what it reads against a signed root."""
+        found = []
+        for index in range(0, (count + TILE_WIDTH - 1) // TILE_WIDTH):
+            width = min(TILE_WIDTH, count - index * TILE_WIDTH)
+            wanted = width * HASH_SIZE
+            data = self._read(Tile(level, index).path, TILE_WIDTH * HASH_SIZE)
+            if data is None and width < TILE_WIDTH:
+                data = self._read(Tile(level, index, width).path, wanted)
+            if data is None or len(data) < wanted:
+                return None
+            found.append(data[:wanted])
+        return b"".join(found)
 
     def write(self, size: int, nodes: Nodes, bodies: Bodies, also: Iterable[int] = ()) -> int:
         """Write, durably, the tiles and entry bundles the tree of `size` leaves has that are not
