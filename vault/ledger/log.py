@@ -578,7 +578,7 @@ class Ledger:
         if self._latest is not None and self.fault is None and self.last_signed:
             self.last_signed.record(self._latest.note, self._latest.size)
 
-    def _guarded(self, step: Callable[[], None]) -> None:
+    def _guarded(self, step: Callable[[], object]) -> None:
         try:
             step()
         except VerificationError as exc:
