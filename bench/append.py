@@ -23,6 +23,7 @@ import grpc
 
 from bench.common import vault_server
 from bench.rates import compare
+from vault.digest import digest_key
 from vault.ledger.db import open_database
 from vault.ledger.entry import Entry, now
 from vault.ledger.merkle import leaf_hash
@@ -67,7 +68,7 @@ def bare_sqlite_batch_rate(entries: int) -> float:
                 body = Entry(index, "artefact", (digest,), "bench", stamp, prev, {}, True).encode()
                 prev = leaf_hash(body)
                 rows.append((index, body, prev, "artefact", "bench", stamp, True))
-                subjects.append((digest, index))
+                subjects.append((digest_key(digest), index))
             batches.append((rows, subjects))
         conn = _sqlite(f"{tmp}/ledger.db")
         begin = time.perf_counter()

@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import Connection, select, text
 from sqlalchemy.exc import DBAPIError
 
+from tests.schema_3 import subjects_as_schema_3
 from vault.ledger import db as tables
 from vault.ledger.checkpoint import SigningKey
 from vault.ledger.db import SCHEMA_VERSION, SchemaError, open_database
@@ -86,6 +87,7 @@ def test_a_version_1_database_gains_the_replay_and_token_tables(tmp_path: Path) 
     with db.write.begin() as conn:
         conn.execute(text("DROP TABLE replay_leases"))
         conn.execute(text("DROP TABLE tokens"))
+        subjects_as_schema_3(conn)
         conn.execute(tables.schema_version.update().values(version=1))
     db.dispose()
 
@@ -123,6 +125,7 @@ def test_a_version_2_database_gains_the_rewrite_guards_and_still_verifies(tmp_pa
     with db.write.begin() as conn:
         for name in schema_3:
             conn.execute(text(f"DROP TRIGGER {name}"))
+        subjects_as_schema_3(conn)
         conn.execute(tables.schema_version.update().values(version=2))
         before = conn.execute(text("SELECT idx, body, leaf_hash FROM entries")).all()
     db.dispose()

@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import StartVault
 from tests.services.vault_server import VaultRun, VaultServer
+from vault.digest import digest_key
 from vault.ledger.checkpoint import Checkpoint, SigningKey
 from vault.ledger.entry import KINDS, Entry
 from vault.wire import pinvault_pb2 as pb
@@ -209,7 +210,10 @@ def test_an_inserted_entry(ledger: Ledger, start_vault: StartVault, tmp_path: Pa
                 forged.time,
             ),
         )
-        conn.execute("INSERT INTO entry_subjects (digest, idx) VALUES (?, 8)", forged.subjects)
+        conn.execute(
+            "INSERT INTO entry_subjects (digest, idx) VALUES (?, 8)",
+            (digest_key(forged.subjects[0]),),
+        )
         conn.execute("UPDATE ledger_head SET size = size + 1")
     assert_first_break(verify(start_vault, data), 8, "does not match the root signed")
 

@@ -26,6 +26,27 @@ def check_digest(text: str) -> str:
     return str(Digest.parse(text))
 
 
+# The byte before the raw bytes of a digest key, for each algorithm but SHA-256 (whose key is its
+# 32 raw bytes alone).
+_KEY_TAGS: Final = {"blake3": b"\x01"}
+_KEY_ALGORITHMS: Final = {tag[0]: algorithm for algorithm, tag in _KEY_TAGS.items()}
+
+
+def digest_key(text: str) -> bytes:
+    """The bytes an index keys a well-formed digest by: a SHA-256 digest's 32 raw bytes, any
+    other's raw bytes after a byte naming its algorithm."""
+    algorithm, _, hex_part = text.partition(":")
+    raw = bytes.fromhex(hex_part)
+    return raw if algorithm == "sha256" else _KEY_TAGS[algorithm] + raw
+
+
+def digest_from_key(key: bytes) -> str:
+    """The digest `digest_key` gave `key`."""
+    if len(key) == HEX_LENGTH // 2:
+        return "sha256:" + key.hex()
+    return f"{_KEY_ALGORITHMS[key[0]]}:{key[1:].hex()}"
+
+
 @dataclass(frozen=True, slots=True)
 class Digest:
     algorithm: str

@@ -31,9 +31,10 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection, ExceptionContext, make_url
 from sqlalchemy.pool import NullPool
 
+from vault.digest import digest_key
 from vault.errors import DiskFull, ResourceExhausted, VaultError
 
-SCHEMA_VERSION: Final = 3
+SCHEMA_VERSION: Final = 4
 
 metadata = MetaData()
 
@@ -62,12 +63,16 @@ entries = Table(
     Column("external", Boolean, nullable=False),
 )
 
+# Schema 4: keyed by the digest's raw bytes (vault.digest.digest_key: a SHA-256 digest's 32),
+# in a table that is its own key (no rowid table beside the key's index on SQLite), so that an
+# append's random inserts touch one B-tree of short keys.
 entry_subjects = Table(
     "entry_subjects",
     metadata,
-    Column("digest", Text, nullable=False),
+    Column("digest", LargeBinary, nullable=False),
     Column("idx", BigInteger, nullable=False, index=True),
     PrimaryKeyConstraint("digest", "idx"),
+    sqlite_with_rowid=False,
 )
 
 checkpoints = Table(
@@ -114,6 +119,8 @@ tokens = Table(
 )
 
 _IMMUTABLE = ("entries", "entry_subjects", "checkpoints")
+# Index rows an upgrade copies at once.
+_COPY_BATCH: Final = 50_000
 # Schema 3: the blob catalogue is never changed or deleted either.
 _IMMUTABLE_3 = ("blobs",)
 # SQLite's limit on the values one statement binds (SQLITE_MAX_VARIABLE_NUMBER).
@@ -358,8 +365,9 @@ def migrate(db: Database, *, create: bool = True) -> None:
                 f"understands ({SCHEMA_VERSION}): upgrade pinvault"
             )
         for version in range(found + 1, SCHEMA_VERSION + 1):
-            # Each upgrade only adds: tables, columns, indexes, triggers. Nothing is dropped or
-            # rewritten.
+            # An upgrade adds tables, columns, indexes and triggers, or rewrites an index table
+            # in a new layout; the entries, their leaf hashes and the checkpoints are never
+            # touched.
             UPGRADES[version](conn)
             conn.execute(schema_version.update().values(version=version))
 
@@ -374,6 +382,35 @@ def _install_immutability(conn: Connection) -> None:
     _add_schema_3(conn)
 
 
+def _add_schema_4(conn: Connection) -> None:
+    """Schema 4: the subject index keyed by raw digests. Its rows are copied into the new table
+    in key order (a SHA-256 digest's hex and raw bytes sort alike); the entries, their leaf
+    hashes and the checkpoints are not touched. The guards go on the new table once it is
+    filled: history is inserted below the head only here."""
+    old = "entry_subjects_3"
+    conn.execute(text(f"ALTER TABLE entry_subjects RENAME TO {old}"))
+    conn.execute(text("DROP INDEX ix_entry_subjects_idx"))
+    if conn.dialect.name == "postgresql":
+        conn.execute(text(f"ALTER TABLE {old} RENAME CONSTRAINT entry_subjects_pkey TO {old}_pkey"))
+    metadata.create_all(conn, tables=[entry_subjects])
+    first = text(f"SELECT digest, idx FROM {old} ORDER BY digest, idx LIMIT {_COPY_BATCH}")
+    after = text(
+        f"SELECT digest, idx FROM {old} WHERE digest > :digest OR (digest = :digest AND "
+        f"idx > :idx) ORDER BY digest, idx LIMIT {_COPY_BATCH}"
+    )
+    part = conn.execute(first).all()
+    while part:
+        conn.execute(
+            entry_subjects.insert(),
+            [{"digest": digest_key(digest), "idx": idx} for digest, idx in part],
+        )
+        digest, idx = part[-1]
+        part = conn.execute(after, {"digest": digest, "idx": idx}).all()
+    conn.execute(text(f"DROP TABLE {old}"))
+    _refuse_change_and_delete(conn, ("entry_subjects",))
+    _refuse_insert_below_head(conn, ("entry_subjects",))
+
+
 def _add_schema_3(conn: Connection) -> None:
     """Schema 3: the guards schema 1 lacked. SQLite's REPLACE (and INSERT OR REPLACE) deletes
     a conflicting row without firing its DELETE trigger, so an insert over an existing ledger
@@ -381,16 +418,7 @@ def _add_schema_3(conn: Connection) -> None:
     the entry it names; and the blob catalogue is immutable too."""
     _refuse_change_and_delete(conn, _IMMUTABLE_3)
     if conn.dialect.name == "sqlite":
-        # Rows below the head's size are history: an insert among them is a rewrite, whatever
-        # its conflict clause. An append inserts at and above the size, then moves the head.
-        for table in ("entries", "entry_subjects"):
-            _sqlite_refuse(
-                conn,
-                f"{table}_no_insert_below_head",
-                f"BEFORE INSERT ON {table} "
-                "WHEN NEW.idx < (SELECT size FROM ledger_head WHERE id = 1)",
-                f"pinvault {table} rows are never changed or deleted",
-            )
+        _refuse_insert_below_head(conn, ("entries", "entry_subjects"))
         for table, key in (("checkpoints", "size"), ("blobs", "sha256")):
             _sqlite_refuse(
                 conn,
@@ -420,22 +448,7 @@ def _add_schema_3(conn: Connection) -> None:
     elif conn.dialect.name == "postgresql":
         # PostgreSQL has no REPLACE, and INSERT ... ON CONFLICT DO UPDATE fires the UPDATE
         # triggers; what is left is a subject added to an old entry, and the head.
-        conn.execute(
-            text(
-                "CREATE OR REPLACE FUNCTION pinvault_no_insert_below_head() RETURNS trigger "
-                "AS $$ BEGIN "
-                "IF NEW.idx < (SELECT size FROM ledger_head WHERE id = 1) THEN "
-                "RAISE EXCEPTION 'pinvault % rows are never changed or deleted', TG_TABLE_NAME; "
-                "END IF; RETURN NEW; END $$ LANGUAGE plpgsql"
-            )
-        )
-        conn.execute(
-            text(
-                "CREATE OR REPLACE TRIGGER entry_subjects_no_insert_below_head "
-                "BEFORE INSERT ON entry_subjects "
-                "FOR EACH ROW EXECUTE FUNCTION pinvault_no_insert_below_head()"
-            )
-        )
+        _refuse_insert_below_head(conn, ("entry_subjects",))
         conn.execute(
             text(
                 "CREATE OR REPLACE FUNCTION pinvault_head_moves_forward() RETURNS trigger AS $$ "
@@ -481,6 +494,39 @@ def _sqlite_refuse(conn: Connection, name: str, when: str, message: str) -> None
     )
 
 
+def _refuse_insert_below_head(conn: Connection, tables: Sequence[str]) -> None:
+    """Triggers that refuse a row inserted into the tables below the head's size: rows there
+    are history, and an insert among them is a rewrite, whatever its conflict clause (an append
+    inserts at and above the size, then moves the head)."""
+    if conn.dialect.name == "sqlite":
+        for table in tables:
+            _sqlite_refuse(
+                conn,
+                f"{table}_no_insert_below_head",
+                f"BEFORE INSERT ON {table} "
+                "WHEN NEW.idx < (SELECT size FROM ledger_head WHERE id = 1)",
+                f"pinvault {table} rows are never changed or deleted",
+            )
+    elif conn.dialect.name == "postgresql":
+        conn.execute(
+            text(
+                "CREATE OR REPLACE FUNCTION pinvault_no_insert_below_head() RETURNS trigger "
+                "AS $$ BEGIN "
+                "IF NEW.idx < (SELECT size FROM ledger_head WHERE id = 1) THEN "
+                "RAISE EXCEPTION 'pinvault % rows are never changed or deleted', TG_TABLE_NAME; "
+                "END IF; RETURN NEW; END $$ LANGUAGE plpgsql"
+            )
+        )
+        for table in tables:
+            conn.execute(
+                text(
+                    f"CREATE OR REPLACE TRIGGER {table}_no_insert_below_head "
+                    f"BEFORE INSERT ON {table} "
+                    "FOR EACH ROW EXECUTE FUNCTION pinvault_no_insert_below_head()"
+                )
+            )
+
+
 def _refuse_change_and_delete(conn: Connection, tables: Sequence[str]) -> None:
     """Triggers that refuse UPDATE and DELETE (and on PostgreSQL TRUNCATE) of the tables'
     rows, whatever code asks."""
@@ -517,4 +563,8 @@ def _refuse_change_and_delete(conn: Connection, tables: Sequence[str]) -> None:
             )
 
 
-UPGRADES: dict[int, Callable[[Connection], None]] = {2: _add_schema_2, 3: _add_schema_3}
+UPGRADES: dict[int, Callable[[Connection], None]] = {
+    2: _add_schema_2,
+    3: _add_schema_3,
+    4: _add_schema_4,
+}

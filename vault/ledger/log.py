@@ -18,6 +18,7 @@ from typing import Any, Final
 
 from sqlalchemy import func, select, text
 
+from vault.digest import digest_from_key, digest_key
 from vault.errors import (
     IntegrityError,
     InvalidArgument,
@@ -276,7 +277,7 @@ class Ledger:
             self._catch_up(tx.all, size, last)
             stamp = now()
             rows: list[tuple[object, ...]] = []
-            subject_rows: list[tuple[str, int]] = []
+            subject_rows: list[tuple[bytes, int]] = []
             leaves: list[bytes] = []
             results: list[list[StoredEntry]] = []
             prev = last
@@ -289,7 +290,7 @@ class Ledger:
                     )
                     prev = leaf_hash(body)
                     rows.append((size, body, prev, kind, author, stamp, pin.external))
-                    subject_rows += [(s, size) for s in pin.subjects]
+                    subject_rows += [(digest_key(s), size) for s in pin.subjects]
                     leaves.append(prev)
                     stored.append(StoredEntry(size, body))
                     size += 1
@@ -633,19 +634,18 @@ class Ledger:
     def entries_naming(self, digest: str) -> list[StoredEntry]:
         """Entries naming one digest, in index order (a look-up's query: the subjects index
         gives the order, where `entries_for`'s IN list needs a sort)."""
-        return [
-            StoredEntry(idx, bytes(body)) for idx, body in self.db.fetch(self._NAMING, (digest,))
-        ]
+        rows = self.db.fetch(self._NAMING, (digest_key(digest),))
+        return [StoredEntry(idx, bytes(body)) for idx, body in rows]
 
     def entries_for(self, digests: Iterable[str]) -> dict[str, list[StoredEntry]]:
         """Entries naming each digest, in index order."""
         wanted = list(dict.fromkeys(digests))
         found: dict[str, list[StoredEntry]] = {d: [] for d in wanted}
         for start in range(0, len(wanted), QUERY_BATCH):
-            part = wanted[start : start + QUERY_BATCH]
+            part = [digest_key(d) for d in wanted[start : start + QUERY_BATCH]]
             sql = self._BY_DIGEST.format(tables.placeholders(len(part)))
-            for digest, idx, body in self.db.fetch(sql, part):
-                found[digest].append(StoredEntry(idx, bytes(body)))
+            for key, idx, body in self.db.fetch(sql, part):
+                found[digest_from_key(bytes(key))].append(StoredEntry(idx, bytes(body)))
         return found
 
     _BY_DIGEST_AND_KIND = (
@@ -659,7 +659,9 @@ class Ledger:
         other kinds (an image every run names)."""
         return [
             (StoredEntry(idx, bytes(body)), bool(external))
-            for idx, body, external in self.db.fetch(self._BY_DIGEST_AND_KIND, (digest, kind))
+            for idx, body, external in self.db.fetch(
+                self._BY_DIGEST_AND_KIND, (digest_key(digest), kind)
+            )
         ]
 
     def entry(self, index: int) -> StoredEntry:
@@ -684,7 +686,8 @@ class Ledger:
             query = query.where(e.c.time < where.until)
         if where.digest:
             s = tables.entry_subjects
-            query = query.where(e.c.idx.in_(select(s.c.idx).where(s.c.digest == where.digest)))
+            key = digest_key(where.digest)
+            query = query.where(e.c.idx.in_(select(s.c.idx).where(s.c.digest == key)))
         query = query.order_by(e.c.idx).limit(limit)
         with self.db.read.connect() as conn:
             return [StoredEntry(idx, body) for idx, body in conn.execute(query)]
@@ -711,8 +714,8 @@ class Ledger:
                         return
                     last = rows[-1][0]
                     subjects: dict[int, list[str]] = {}
-                    for idx, digest in fetch(_READ_SUBJECTS, (after, last)):
-                        subjects.setdefault(idx, []).append(digest)
+                    for idx, key in fetch(_READ_SUBJECTS, (after, last)):
+                        subjects.setdefault(idx, []).append(digest_from_key(bytes(key)))
                     yield (
                         int(head),
                         [

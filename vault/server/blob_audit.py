@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import text
 
-from vault.digest import Digest
+from vault.digest import Digest, digest_from_key
 from vault.errors import IntegrityError, NotFound, VaultError
 from vault.server.content import Content
 from vault.server.damage import KnownDamage
@@ -33,7 +33,7 @@ class _Found(Exception):
 
 _DATASETS = text(
     "SELECT DISTINCT s.digest FROM entry_subjects s JOIN entries e ON e.idx = s.idx "
-    "WHERE e.external = :external AND e.kind = 'dataset' ORDER BY s.digest"
+    "WHERE e.external = :external AND e.kind = 'dataset'"
 )
 
 
@@ -48,7 +48,8 @@ class BlobAudit:
         self.content = content
         self._pinned = content.pinned_digests()
         with content.db.read.connect() as conn:
-            self._datasets = [d for (d,) in conn.execute(_DATASETS, {"external": False})]
+            found = conn.execute(_DATASETS, {"external": False})
+            self._datasets = sorted(digest_from_key(bytes(key)) for (key,) in found)
         self.total = len(self._pinned)
 
     def __iter__(self) -> Iterator[BlobCheck]:

@@ -14,7 +14,7 @@ from typing import Any, Final
 
 from sqlalchemy import select, text
 
-from vault.digest import Digest, check_digest
+from vault.digest import Digest, check_digest, digest_from_key
 from vault.errors import (
     DiskFull,
     IntegrityError,
@@ -254,12 +254,13 @@ class Content:
 
     _PINNED = text(
         "SELECT DISTINCT s.digest FROM entry_subjects s JOIN entries e ON e.idx = s.idx "
-        "WHERE e.external = :external ORDER BY s.digest"
+        "WHERE e.external = :external"
     )
 
     def pinned_digests(self) -> list[str]:
         with self.db.read.connect() as conn:
-            return [d for (d,) in conn.execute(self._PINNED, {"external": False})]
+            found = conn.execute(self._PINNED, {"external": False})
+            return sorted(digest_from_key(bytes(key)) for (key,) in found)
 
     def placements(self, digest: str) -> tuple[list[PlacementRecord], int]:
         """A blob's copies and the repairs recorded of it, where the store journals them."""

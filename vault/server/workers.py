@@ -89,22 +89,26 @@ def build_migrator(
 
 def _kinds_of(db: Database) -> Callable[[list[Digest]], dict[Digest, set[str]]]:
     """The kinds each blob is pinned as, by either of its digests, from the ledger."""
-    from vault.digest import Digest
+    from vault.digest import Digest, digest_key
     from vault.ledger.db import placeholders
 
     def kinds(digests: list[Digest]) -> dict[Digest, set[str]]:
         found: dict[Digest, set[str]] = {}
-        for start in range(0, len(digests), 400):
-            part = [str(d) for d in digests[start : start + 400]]
-            marks = placeholders(len(part))
-            for column in ("sha256", "blake3"):
-                sql = (
-                    f"SELECT b.sha256, e.kind FROM blobs b JOIN entry_subjects s "
-                    f"ON s.digest = b.{column} JOIN entries e ON e.idx = s.idx "
-                    f"WHERE b.sha256 IN ({marks})"
-                )
-                for sha, kind in db.fetch(sql, part):
-                    found.setdefault(Digest.parse(sha), set()).add(str(kind))
+        for start in range(0, len(digests), 200):
+            part = [str(d) for d in digests[start : start + 200]]
+            # Each blob's two names, as the subject index keys them.
+            names: dict[bytes, str] = {}
+            sql = f"SELECT sha256, blake3 FROM blobs WHERE sha256 IN ({placeholders(len(part))})"
+            for sha, blake in db.fetch(sql, part):
+                names[digest_key(sha)] = names[digest_key(blake)] = sha
+            if not names:
+                continue
+            sql = (
+                "SELECT s.digest, e.kind FROM entry_subjects s JOIN entries e ON e.idx = s.idx "
+                f"WHERE s.digest IN ({placeholders(len(names))})"
+            )
+            for key, kind in db.fetch(sql, list(names)):
+                found.setdefault(Digest.parse(names[bytes(key)]), set()).add(str(kind))
         return found
 
     return kinds

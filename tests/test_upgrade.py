@@ -1,0 +1,161 @@
+"""A vault written by the previous release is upgraded in place by this one: every entry's
+canonical bytes and leaf hash, every signed checkpoint and the published tiles stay exactly as
+they were written, `vault verify` passes, look-ups find what they found, and appends go on.
+
+tests/data/ledger-schema-3.tar.gz is the data folder of a real `vault serve` of pinvault 0.1.0
+at schema 3 (the subject index keyed by digest text), stopped cleanly: 3 blobs, 306 entries
+(blobs pinned alone and together, an external image, an external BLAKE3 digest, 300 configs),
+a signed checkpoint of every size that a client asked for, and the tiles of the last one."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+import tarfile
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from tests.conftest import StartVault
+from tests.schema_3 import subjects_as_schema_3
+from vault.digest import digest_from_key
+from vault.errors import NotFound
+from vault.ledger.checkpoint import SigningKey
+from vault.ledger.db import SCHEMA_VERSION
+
+FIXTURE = Path(__file__).parent / "data" / "ledger-schema-3.tar.gz"
+ENV = {"PINVAULT_LEDGER_ORIGIN": "upgrade.test/ledger"}
+SIZE = 306
+
+
+def _unpack(target: Path) -> Path:
+    with tarfile.open(FIXTURE) as archive:
+        archive.extractall(target, filter="data")
+    return target / "data"
+
+
+def _rows(db: Path) -> dict[str, list[tuple[object, ...]]]:
+    with sqlite3.connect(db) as conn:
+        return {
+            "entries": conn.execute(
+                "SELECT idx, body, leaf_hash, kind, author, time, external FROM entries "
+                "ORDER BY idx"
+            ).fetchall(),
+            "checkpoints": conn.execute(
+                "SELECT size, note FROM checkpoints ORDER BY size"
+            ).fetchall(),
+            "head": conn.execute("SELECT size, last_leaf FROM ledger_head").fetchall(),
+            "blobs": conn.execute("SELECT * FROM blobs ORDER BY sha256").fetchall(),
+        }
+
+
+def _subjects(db: Path) -> list[tuple[object, ...]]:
+    with sqlite3.connect(db) as conn:
+        return sorted(conn.execute("SELECT digest, idx FROM entry_subjects").fetchall())
+
+
+def test_a_vault_of_the_previous_release_is_upgraded_and_verifies(
+    start_vault: StartVault, tmp_path: Path
+) -> None:
+    data = _unpack(tmp_path)
+    db = data / "vault.db"
+    before = _rows(db)
+    subjects = _subjects(db)
+    assert len(before["entries"]) == SIZE and before["head"][0][0] == SIZE
+    assert all(str(digest).startswith(("sha256:", "blake3:")) for digest, _ in subjects)
+    tiles = {
+        p.relative_to(data): p.read_bytes() for p in (data / "tiles").rglob("*") if p.is_file()
+    }
+    key = SigningKey.load(data / "checkpoint.key").verifier()
+    last_note = before["checkpoints"][-1][1]
+    assert key.open(str(last_note)).size == SIZE
+
+    server = start_vault("upgraded", data_dir=data, env=ENV)
+    verified = server.run("verify", "--blobs")
+    assert verified.returncode == 0, verified.describe()
+    with server.client() as client:
+        assert client.checkpoint_note() == last_note
+        # Look-ups find what the old index listed: every blob, by each entry that pins it.
+        for n, row in enumerate(before["blobs"]):
+            digest = str(row[0])
+            listed = sorted(int(str(i)) for d, i in subjects if d == digest)
+            assert len(listed) >= 1
+            assert [e.entry.index for e in client.lookup(digest)] == listed, digest
+            client.get(digest, tmp_path / f"blob-{n}")
+            assert hashlib.sha256((tmp_path / f"blob-{n}").read_bytes()).hexdigest() == digest[7:]
+        assert [e.entry.index for e in client.lookup("blake3:" + "b3" * 32)] == [5]
+        assert [e.entry.index for e in client.lookup(f"sha256:{299:064x}")] == [SIZE - 1]
+        with pytest.raises(NotFound, match="no entry pins"):
+            client.lookup(f"sha256:{300:064x}")
+        client.pin("config", f"sha256:{300:064x}", external=True)
+    assert server.stop() == 0
+
+    after = _rows(db)
+    assert after["entries"][:SIZE] == before["entries"]
+    assert after["checkpoints"][: len(before["checkpoints"])] == before["checkpoints"]
+    assert after["blobs"] == before["blobs"]
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+        keyed = sorted(
+            (bytes(k), i) for k, i in conn.execute("SELECT digest, idx FROM entry_subjects")
+        )
+    # The same rows, each digest now its raw bytes (a SHA-256 digest's 32), and the new pin's.
+    assert len(keyed) == len(subjects) + 1
+    assert {(digest_from_key(k), i) for k, i in keyed if i < SIZE} == {
+        (str(d), int(str(i))) for d, i in subjects
+    }
+    assert {len(k) for k, _ in keyed} == {32, 33}
+    # Full tiles are immutable: each is as the previous release wrote it.
+    full = {path: body for path, body in tiles.items() if ".p" not in path.parts[-2:][0]}
+    full = {path: body for path, body in full.items() if path.name != "checkpoint"}
+    assert Path("tiles/tile/0/000") in full
+    assert {path: (data / path).read_bytes() for path in full} == full
+
+    again = start_vault("again", data_dir=data, env=ENV)
+    verified = again.run("verify")
+    assert verified.returncode == 0, verified.describe()
+    assert f"{SIZE + 1} entries" in verified.stdout, verified.describe()
+
+
+def test_a_postgresql_vault_of_schema_3_is_upgraded_and_verifies(
+    start_vault: StartVault, postgres_url: str
+) -> None:
+    server = start_vault("written", database=postgres_url, env=ENV)
+    with server.client() as client:
+        blob = client.put(b"kept through the upgrade\n")
+        client.pin("config", str(blob.blob.sha256))
+        client.pin("config", "blake3:" + "b3" * 32, external=True)
+        for n in range(40):
+            client.pin("config", f"sha256:{n:064x}", external=True)
+        note = client.checkpoint_note()
+    assert server.stop() == 0
+    engine = create_engine(postgres_url.replace("postgresql://", "postgresql+psycopg://", 1))
+    with engine.begin() as conn:
+        subjects_as_schema_3(conn)
+        conn.execute(text("UPDATE schema_version SET version = 3"))
+        entries = conn.execute(text("SELECT idx, body, leaf_hash FROM entries ORDER BY idx")).all()
+        old = sorted(conn.execute(text("SELECT digest, idx FROM entry_subjects")).all())
+
+    upgraded = start_vault("upgraded", data_dir=server.data_dir, database=postgres_url, env=ENV)
+    verified = upgraded.run("verify")
+    assert verified.returncode == 0, verified.describe()
+    with upgraded.client() as client:
+        assert client.checkpoint_note() == note
+        assert [e.entry.index for e in client.lookup("blake3:" + "b3" * 32)] == [1]
+        assert [e.entry.index for e in client.lookup(str(blob.blob.sha256))] == [0]
+        client.pin("config", f"sha256:{40:064x}", external=True)
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT version FROM schema_version")).scalar_one() == (
+            SCHEMA_VERSION
+        )
+        assert (
+            conn.execute(
+                text("SELECT idx, body, leaf_hash FROM entries WHERE idx < 42 ORDER BY idx")
+            ).all()
+            == entries
+        )
+        assert conn.execute(text("SELECT count(*) FROM entry_subjects")).scalar_one() == (
+            len(old) + 1
+        )
+    engine.dispose()
