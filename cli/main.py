@@ -28,6 +28,7 @@ from vault.client.connect import open_client
 from vault.config import Config
 from vault.digest import Digest
 from vault.errors import ConfigError, InvalidArgument, VaultError
+from vault.ledger.cosignature import WitnessKey
 from vault.ledger.entry import KINDS, Entry
 from vault.store.allocator import keep_freed_buffers
 
@@ -271,7 +272,22 @@ def cmd_proof(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, config: Config) -> int:
+    overrides: dict[str, Any] = {}
+    if args.witness:
+        overrides["witnesses"] = " ".join(args.witness)
+    if args.min_witnesses is not None:
+        overrides["min_witnesses"] = args.min_witnesses
+    if overrides:
+        config = config_module.apply(config, {"client": overrides}, "the command line")
     with _client(config) as client:
+        if client.witnesses is not None:
+            # Before the audit, so that it checks the stored entries against this checkpoint.
+            checkpoint, cosignatures = client.witnessed()
+            names = ", ".join(c.witness.label for c in cosignatures)
+            print(
+                f"witnesses: checkpoint of size {checkpoint.size} cosigned by {names} "
+                f"({client.witnesses.required} of {len(client.witnesses.witnesses)} required)"
+            )
         bar = Progress("verify ledger", None, unit="entries")
         report = client.audit(progress=lambda done, total: bar.set(done, total))
         bar.close()
@@ -329,6 +345,20 @@ def _non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative number, found {value}")
     return value
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected a positive number, found 0")
+    return value
+
+
+def _witness_key(text: str) -> str:
+    try:
+        return str(WitnessKey.from_string(text))
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -426,6 +456,21 @@ def build_parser() -> argparse.ArgumentParser:
         "verify", help="audit the whole ledger (and with --blobs, every pinned blob)"
     )
     p.add_argument("--blobs", action="store_true")
+    p.add_argument(
+        "--witness",
+        action="append",
+        default=[],
+        type=_witness_key,
+        metavar="KEY",
+        help="require the cosignature of this witness (its cosignature/v1 key; repeatable; "
+        "default: client.witnesses)",
+    )
+    p.add_argument(
+        "--min-witnesses",
+        type=_positive,
+        metavar="K",
+        help="how many of the witnesses must have cosigned (default: all)",
+    )
     p.set_defaults(func=cmd_verify)
 
     add_dataset_commands(sub, _client)

@@ -169,6 +169,11 @@ class ClientConfig:
     cert_file: str = ""
     key_file: str = ""
     timeout: float = 0.0
+    # Witnesses whose cosignatures a checkpoint needs before this client believes it: their
+    # cosignature/v1 verifier keys, separated by spaces or commas; empty: none.
+    witnesses: str = ""
+    # How many of them must have cosigned; 0: all of them.
+    min_witnesses: int = 0
 
 
 @dataclass(frozen=True)
@@ -191,6 +196,20 @@ class MirrorsConfig:
     # Replication retries back off from retry_min to retry_max seconds.
     retry_min: float = 1.0
     retry_max: float = 60.0
+
+
+@dataclass(frozen=True)
+class WitnessesConfig:
+    """Witnesses that cosign the vault's checkpoints (c2sp.org/tlog-witness). `endpoints` lists
+    each as `URL KEY`, its submission URL and its cosignature/v1 verifier key, separated by
+    commas or new lines (empty: no witnesses)."""
+
+    endpoints: str = ""
+    # Cosignatures each checkpoint should gather; one with fewer is logged as an error. 0: all
+    # of the witnesses.
+    quorum: int = 0
+    # Seconds one witness may take to answer; one that does not is asked again later.
+    timeout: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -233,6 +252,7 @@ class Config:
     client: ClientConfig = field(default_factory=ClientConfig)
     mirrors: MirrorsConfig = field(default_factory=MirrorsConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    witnesses: WitnessesConfig = field(default_factory=WitnessesConfig)
 
     # ---------------------------------------------------------------- derived
 
@@ -297,6 +317,7 @@ _RANGES: Final[Mapping[str, tuple[float, float]]] = {
     "admission.replay_lease": (0.1, _YEAR),
     "admission.max_manifest_bytes": (1024, 256 * 1024 * 1024),
     "client.timeout": (0.001, 86_400.0),
+    "client.min_witnesses": (0, 64),
     "mirrors.replicas": (1, 64),
     "mirrors.connect_timeout": (0.1, 3600.0),
     "mirrors.read_timeout": (0.1, 3600.0),
@@ -312,6 +333,8 @@ _RANGES: Final[Mapping[str, tuple[float, float]]] = {
     "policy.min_copies": (1, 64),
     "policy.scrub_window_days": (0.001, 36_500.0),
     "policy.scrub_rate_mb_s": (0.0, 1_000_000.0),
+    "witnesses.quorum": (0, 64),
+    "witnesses.timeout": (0.1, 600.0),
 }
 # Settings whose 0 means none or off, allowed beside their range.
 _ZERO_IS_OFF: Final = frozenset(

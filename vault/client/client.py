@@ -22,6 +22,7 @@ from vault.digest import Digest
 from vault.errors import InvalidArgument, NotFound, VerificationError
 from vault.ledger.audit import Auditor, AuditReport
 from vault.ledger.checkpoint import Checkpoint, Verifier
+from vault.ledger.cosignature import Cosignature, WitnessPolicy
 from vault.ledger.entry import Entry
 from vault.ledger.runid import RunInputs
 from vault.wire import pinvault_pb2 as pb
@@ -40,7 +41,11 @@ class VaultClient:
     """A connection to one vault server.
 
     `state` is where the last verified checkpoint is kept; `verifier_key` pins the vault's
-    checkpoint key (otherwise the key is trusted on first use and kept in the state file)."""
+    checkpoint key (otherwise the key is trusted on first use and kept in the state file).
+    `witnesses` are the cosignature/v1 keys of witnesses (c2sp.org/tlog-witness) of which at
+    least `min_witnesses` (default: all) must have cosigned every checkpoint this client
+    believes, so that a vault that rolled back or forked its ledger is refused even by a client
+    that never saw it before."""
 
     def __init__(
         self,
@@ -52,7 +57,10 @@ class VaultClient:
         team: str | None = None,
         timeout: float | None = None,
         credentials: Credentials | None = None,
+        witnesses: Sequence[str] = (),
+        min_witnesses: int | None = None,
     ) -> None:
+        self.witnesses = _witness_policy(witnesses, min_witnesses)
         self.target = target
         self.channel = open_channel(target, credentials)
         self.store = rpc.StoreStub(self.channel)
@@ -64,7 +72,7 @@ class VaultClient:
         # Empty: the vault takes the credential's team (in local mode, "local").
         self.team = team or ""
         self.timeout = timeout
-        self._trust = TrustState(self.ledger, self.state, verifier_key)
+        self._trust = TrustState(self.ledger, self.state, verifier_key, self.witnesses)
         # Whether this client has verified a checkpoint of the vault (see `pin`).
         self._vouched = False
         self._transfer = Transfer(self.store, timeout)
@@ -429,6 +437,13 @@ class VaultClient:
             self._trust.advance(note)
         return note
 
+    def witnessed(self) -> tuple[Checkpoint, list[Cosignature]]:
+        """The latest checkpoint, verified as `checkpoint` does, and the cosignatures on it of
+        the witnesses this client requires (none when it requires none)."""
+        note = self.checkpoint_note()
+        checkpoint = self.verifier().open(note)
+        return checkpoint, [] if self.witnesses is None else self.witnesses.check(note)
+
     def inclusion_proof(self, index: int, size: int = 0) -> pb.InclusionProof:
         """The vault's proof that entry `index` is in the tree of `size` entries (0: the
         latest), unverified: `prove` checks one."""
@@ -494,7 +509,10 @@ class VaultClient:
             return trusted.verifier
 
     def audit(self, progress: Callable[[int, int], None] | None = None) -> AuditReport:
-        """Re-derive the whole ledger from the server's stored rows (see vault.ledger.audit)."""
+        """Re-derive the whole ledger from the server's stored rows (see vault.ledger.audit).
+        With witnesses required, the stored entries are checked against the vault's latest
+        checkpoint too, once it is found cosigned."""
+        witnessed = [] if self.witnesses is None else [self.checkpoint_note()]
         with self._trust.trusted() as trusted:
             verifier, origin = trusted.verifier, trusted.origin
         with rpc_errors():
@@ -502,7 +520,7 @@ class VaultClient:
                 n
                 for batch in self.ledger.ReadCheckpoints(pb.ReadCheckpointsRequest())
                 for n in batch.notes
-            ]
+            ] + witnessed
             auditor = Auditor(verifier, origin, notes)
             head = 0
             for batch in self.ledger.ReadEntries(pb.ReadEntriesRequest(start=0)):
@@ -511,6 +529,18 @@ class VaultClient:
                 if progress:
                     progress(auditor.report.entries, head)
         return auditor.finish(head)
+
+
+def _witness_policy(keys: Sequence[str], required: int | None) -> WitnessPolicy | None:
+    if isinstance(keys, str):
+        raise InvalidArgument("witnesses: expected a sequence of witness keys, found one string")
+    if not keys:
+        if required:
+            raise InvalidArgument(
+                f"{required} witness cosignatures required, but no witness keys are given"
+            )
+        return None
+    return WitnessPolicy.from_strings(keys, required)
 
 
 def iter_digests(values: Iterable[str]) -> list[str]:

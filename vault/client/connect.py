@@ -8,7 +8,8 @@ from pathlib import Path
 from vault.client.channel import Credentials
 from vault.client.client import VaultClient
 from vault.config import Config
-from vault.errors import InvalidArgument
+from vault.errors import ConfigError, InvalidArgument
+from vault.ledger.cosignature import WitnessPolicy, split_witness_keys
 
 
 def _read_file(what: str, path: str) -> bytes:
@@ -34,8 +35,23 @@ def credentials(config: Config) -> Credentials:
     )
 
 
+def witnesses(config: Config) -> list[str]:
+    """The witness keys of client.witnesses, checked with client.min_witnesses."""
+    keys = split_witness_keys(config.client.witnesses)
+    required = config.client.min_witnesses or None
+    try:
+        if keys:
+            WitnessPolicy.from_strings(keys, required)
+        elif required:
+            raise InvalidArgument(f"{required} cosignatures required of no witness keys")
+    except InvalidArgument as exc:
+        raise ConfigError(f"client.witnesses: {exc}") from None
+    return keys
+
+
 def open_client(config: Config) -> VaultClient:
     """A client of the configured server, keeping its trust state where the command does."""
+    keys = witnesses(config)
     return VaultClient(
         config.client.server,
         state=config.state_path,
@@ -44,4 +60,6 @@ def open_client(config: Config) -> VaultClient:
         team=config.client.team or None,
         timeout=config.client.timeout or None,
         credentials=credentials(config),
+        witnesses=keys,
+        min_witnesses=config.client.min_witnesses or None,
     )

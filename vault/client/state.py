@@ -16,6 +16,7 @@ from vault.client.channel import rpc_errors
 from vault.client.trust import TrustedLog
 from vault.errors import VerificationError
 from vault.ledger.checkpoint import Checkpoint, Verifier
+from vault.ledger.cosignature import WitnessPolicy
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
@@ -70,14 +71,20 @@ class StateFile:
 
 class TrustState:
     """One client's trust in one vault: the vault's key (pinned by `verifier_key`, or trusted on
-    first use and kept), and the TrustedLog it has verified, loaded and saved around each use."""
+    first use and kept), and the TrustedLog it has verified, loaded and saved around each use;
+    with `witnesses`, every checkpoint must carry the cosignatures the policy requires."""
 
     def __init__(
-        self, ledger: rpc.LedgerStub, state: StateFile | None, verifier_key: str | None
+        self,
+        ledger: rpc.LedgerStub,
+        state: StateFile | None,
+        verifier_key: str | None,
+        witnesses: WitnessPolicy | None = None,
     ) -> None:
         self._ledger = ledger
         self._file = state
         self._verifier_key = verifier_key
+        self.witnesses = witnesses
         # Without a state file, what this client verified lasts as long as it does.
         self._memory: dict[str, Any] = {}
 
@@ -100,7 +107,7 @@ class TrustState:
                     f"{self._verifier_key}; remove the state file only if the vault's key "
                     "was rotated on purpose"
                 )
-            trusted = TrustedLog.from_dict(state)
+            trusted = TrustedLog.from_dict(state, witnesses=self.witnesses)
             yield trusted
             state.update(trusted.to_dict())
 

@@ -1,5 +1,6 @@
 """A client's memory of the last checkpoint it verified, and the rule for moving it forward:
-only to a checkpoint signed by the vault's key that provably extends it. No I/O here."""
+only to a checkpoint signed by the vault's key that provably extends it (and, where witnesses
+are required, that enough of them cosigned). No I/O here."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any, Final
 
 from vault.errors import InvalidArgument, RollbackError, VerificationError
 from vault.ledger.checkpoint import Checkpoint, Verifier
+from vault.ledger.cosignature import WitnessPolicy
 from vault.ledger.merkle import EMPTY_ROOT, HASH_SIZE, verify_consistency
 
 _STATE_KEYS: Final = frozenset({"origin", "size", "root", "verifier"})
@@ -18,12 +20,21 @@ class TrustedLog:
 
     `update` moves it forward; on any failure the state is left exactly as it was, so a client
     that is shown a forked or rolled-back ledger keeps the evidence of what it saw before.
+    With `witnesses`, a checkpoint is trusted only once the witnesses the policy requires have
+    cosigned it: they saw it extend what they saw before, which a vault that rolled back or
+    shows different histories to different clients cannot have them do.
     """
 
-    __slots__ = ("_origin", "_root", "_size", "_verifier")
+    __slots__ = ("_origin", "_root", "_size", "_verifier", "_witnesses")
 
     def __init__(
-        self, verifier: Verifier, origin: str, size: int = 0, root: bytes = EMPTY_ROOT
+        self,
+        verifier: Verifier,
+        origin: str,
+        size: int = 0,
+        root: bytes = EMPTY_ROOT,
+        *,
+        witnesses: WitnessPolicy | None = None,
     ) -> None:
         if not origin:
             raise InvalidArgument("a trusted log needs its origin")
@@ -39,6 +50,7 @@ class TrustedLog:
         self._origin = origin
         self._size = size
         self._root = bytes(root)
+        self._witnesses = witnesses
 
     @property
     def verifier(self) -> Verifier:
@@ -57,9 +69,10 @@ class TrustedLog:
         return self._root
 
     def update(self, note: str, consistency_proof: Sequence[bytes]) -> Checkpoint:
-        """Verify a signed checkpoint and a consistency proof from the trusted state to it, then
-        trust it. Raises RollbackError if the vault presents a shorter or rewritten ledger,
-        VerificationError for any other failure."""
+        """Verify a signed checkpoint and a consistency proof from the trusted state to it (and
+        the witnesses' cosignatures, if required), then trust it. Raises RollbackError if the
+        vault presents a shorter or rewritten ledger, VerificationError for any other
+        failure."""
         checkpoint = self._verifier.open(note)
         if checkpoint.origin != self._origin:
             raise VerificationError(
@@ -85,6 +98,8 @@ class TrustedLog:
                 f"vault did not prove that its ledger of size {checkpoint.size} extends the "
                 f"size {self._size} already verified: {exc}"
             ) from None
+        if self._witnesses is not None:
+            self._witnesses.check(note)
         self._size = checkpoint.size
         self._root = checkpoint.root
         return checkpoint
@@ -98,8 +113,11 @@ class TrustedLog:
         }
 
     @classmethod
-    def from_dict(cls, state: Mapping[str, Any]) -> TrustedLog:
-        """Rebuild from `to_dict()` output; unknown or missing keys are an error."""
+    def from_dict(
+        cls, state: Mapping[str, Any], *, witnesses: WitnessPolicy | None = None
+    ) -> TrustedLog:
+        """Rebuild from `to_dict()` output; unknown or missing keys are an error. The witnesses
+        required are the client's configuration, not its state."""
         if not isinstance(state, Mapping):
             raise InvalidArgument("trusted log state: expected an object")
         keys = set(state)
@@ -127,4 +145,4 @@ class TrustedLog:
             raise InvalidArgument(
                 f"trusted log state: root must be {2 * HASH_SIZE} hex digits"
             ) from None
-        return cls(Verifier.from_string(vkey), origin, size, root)
+        return cls(Verifier.from_string(vkey), origin, size, root, witnesses=witnesses)

@@ -22,6 +22,7 @@ from vault.server.admission import ADMITTED, TEAM, Runs
 from vault.server.auth import Identity, caller
 from vault.server.content import Content, StoredBlob
 from vault.server.edge import Service, streaming, unary, unary_async
+from vault.server.witnessing import Witnessing
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
@@ -40,11 +41,16 @@ def _checkpoint(signed: SignedCheckpoint) -> pb.Checkpoint:
 class LedgerService(Service, rpc.LedgerServicer):
     rpc_service = "Ledger"
 
-    def __init__(self, ledger: Ledger, content: Content) -> None:
+    def __init__(
+        self, ledger: Ledger, content: Content, witnessing: Witnessing | None = None
+    ) -> None:
         self.ledger = ledger
         self.content = content
-        self.inline = ledger.db.is_sqlite
+        # A new checkpoint may wait for the witnesses' answers, never on the event loop.
+        self.inline = ledger.db.is_sqlite and witnessing is None
         self.runs = Runs(ledger, content)
+        # The checkpoints served: with witnesses, with the cosignatures they gave.
+        self.signed = ledger.checkpoint if witnessing is None else witnessing.checkpoint
 
     def _spec(
         self, request: pb.PinRequest, who: Identity, stored: Mapping[str, StoredBlob]
@@ -146,9 +152,9 @@ class LedgerService(Service, rpc.LedgerServicer):
         group's entries, each added by its `add` with an inclusion proof against one signed
         checkpoint that covers them all, and that checkpoint's consistency with `known_size`."""
         needed = max((e.index + 1 for _, es in groups for e in es), default=0)
-        signed = self.ledger.checkpoint(needed)
+        signed = self.signed(needed)
         if known_size > signed.size and known_size <= self.ledger.size:
-            signed = self.ledger.checkpoint(known_size)
+            signed = self.signed(known_size)
         size = signed.size
         inclusion_proof = self.ledger.inclusion_proof
         for add, entries in groups:
@@ -219,11 +225,11 @@ class LedgerService(Service, rpc.LedgerServicer):
 
     @unary
     def GetCheckpoint(self, request: pb.GetCheckpointRequest) -> pb.Checkpoint:
-        return _checkpoint(self.ledger.checkpoint(self.ledger.sync()))
+        return _checkpoint(self.signed(self.ledger.sync()))
 
     @unary
     def GetInclusionProof(self, request: pb.InclusionProofRequest) -> pb.InclusionProof:
-        signed = self.ledger.checkpoint(max(request.index + 1, request.size))
+        signed = self.signed(max(request.index + 1, request.size))
         size = request.size or signed.size
         return pb.InclusionProof(
             index=request.index,

@@ -32,6 +32,7 @@ from vault.server.service import build_server
 from vault.server.store_service import ScrubRunner
 from vault.server.tiles_http import TilesServer
 from vault.server.tokens import TokenStore
+from vault.server.witnessing import Witness, Witnessing, configured_witnesses, start_witnessing
 from vault.server.workers import scrub_runner, start_tier_workers
 from vault.store.handoff import Desk
 from vault.store.protocol import Closing
@@ -170,6 +171,7 @@ def serve(
     listen = listen or config.server.listen
     check_access(config, listen)
     tls = server_credentials(config)
+    witnesses = configured_witnesses(config)
     # Nothing the vault writes (its database and journals, keys, blobs, the handoff socket) is
     # for other users of the host; other users' clients, who cannot reach the handoff socket
     # then, stream instead.
@@ -182,6 +184,7 @@ def serve(
             config,
             listen,
             tls,
+            witnesses,
             started=started,
             stopping=stopping,
             tiles_http=tiles_http,
@@ -193,6 +196,7 @@ def _serve_folder(
     config: Config,
     listen: str,
     tls: grpc.ServerCredentials | None,
+    witnesses: list[Witness],
     *,
     started: Callable[[Serving], None],
     stopping: Callable[[], None],
@@ -210,6 +214,7 @@ def _serve_folder(
         last_signed=config.data_path / LAST_SIGNED,
         tiles=config.data_path / TILES,
     )
+    witnessing = start_witnessing(config, ledger, witnesses) if witnesses else None
     # The entry bundles name every entry, which only an auditor may list when callers need
     # credentials: then only the hash tiles and the checkpoint are served.
     tiles = None
@@ -254,6 +259,7 @@ def _serve_folder(
                 tls,
                 desk,
                 scrub,
+                witnessing,
                 started=started,
                 stopping=stopping,
                 tiles_url=None if tiles is None else tiles.url,
@@ -275,6 +281,8 @@ def _serve_folder(
         content.close()
         if isinstance(store, Closing):
             store.close()
+        if witnessing is not None:
+            witnessing.close()
         ledger.close()
         db.dispose()
 
@@ -289,6 +297,7 @@ async def _serve(
     tls: grpc.ServerCredentials | None,
     desk: Desk | None,
     scrub: ScrubRunner | None,
+    witnessing: Witnessing | None,
     *,
     started: Callable[[Serving], None],
     stopping: Callable[[], None],
@@ -314,6 +323,7 @@ async def _serve(
         desk=desk,
         scrub=scrub,
         metered=metrics_url is not None,
+        witnessing=witnessing,
     )
     await server.start()
     started(

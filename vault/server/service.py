@@ -22,6 +22,7 @@ from vault.server.ledger_service import LedgerService
 from vault.server.store_service import ScrubRunner, StoreService
 from vault.server.tokens import TokenStore
 from vault.server.tokens_service import TokensService
+from vault.server.witnessing import Witnessing
 from vault.store.handoff import Desk
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
@@ -53,6 +54,7 @@ async def build_server(
     desk: Desk | None = None,
     scrub: ScrubRunner | None = None,
     metered: bool = False,
+    witnessing: Witnessing | None = None,
 ) -> tuple[grpc.aio.Server, str]:
     """An asyncio gRPC server with the vault's services, health and reflection; returns it and
     where it listens (the real port when `listen` asked for port 0); `await server.start()`
@@ -61,13 +63,14 @@ async def build_server(
     manage them over the Tokens service; with `desk`, clients on this host may hand files over
     (vault/store/handoff.py); with `scrub`, Store.Scrub checks every tier on demand; `metered`
     counts and times every call for the metrics (only when someone may scrape them: it costs
-    each call a little)."""
+    each call a little); with `witnessing`, checkpoints are served with witnesses'
+    cosignatures."""
     gatekeeper = gatekeeper or Gatekeeper(Gate())
     gate = gatekeeper.gate
     # Metering first, so that it counts the calls the gatekeeper refuses too.
     interceptors = [Metering(), gatekeeper] if metered else [gatekeeper]
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-    ledger_service = LedgerService(ledger, content)
+    ledger_service = LedgerService(ledger, content, witnessing)
     servicers: list[Service] = [StoreService(content, ledger, desk, scrub), ledger_service]
     if admitter is not None:
         servicers.append(AdmissionService(admitter, ledger_service))
