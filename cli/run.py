@@ -13,9 +13,9 @@ import tempfile
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, NoReturn
 
-from cli.output import shown
+from cli.output import print_json, shown
 from vault.client import Admission, VaultClient
 from vault.config import (
     ENV_CONFIG,
@@ -34,9 +34,19 @@ from vault.digest import Digest
 from vault.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, VaultError
 from vault.ledger.runid import parse_seed
 from vault.runs import load_run_manifest
+from vault.runs.metrics import read_metrics
+from vault.runs.mlflow_export import (
+    INSTALL_HINT,
+    OUTPUTS_ARTIFACT,
+    Exported,
+    MlflowTarget,
+    check_tracking_uri,
+    run_params,
+)
 from vault.runs.names import resolve_input
 from vault.runs.pins import require_pin
 from vault.runs.run import ENV_ARRAY_TASK as ARRAY_TASK
+from vault.runs.sealed import SealedRun, find_sealed_run
 
 Connect = Callable[[Config], VaultClient]
 
@@ -48,6 +58,8 @@ _PLUGIN_WANTS_PINS = "pinvault: job refused: the job carries no pins"
 NOT_SUBMITTED = "not-submitted"
 # The most of sbatch's reason such a record keeps (an entry's metadata value holds 4096 bytes).
 _REASON_CHARS = 1000
+# The inputs `vault run` requires (its parser cannot: `vault run export` takes none of them).
+_INPUTS: Final = ("image", "dataset", "seed")
 
 
 def add_run_commands(sub: Any, connect: Connect) -> None:
@@ -66,14 +78,32 @@ def add_run_commands(sub: Any, connect: Connect) -> None:
 
     p = sub.add_parser(
         "run",
-        help="check a job's pins, pin the run and submit it with sbatch",
+        help="check a job's pins, pin the run and submit it with sbatch; or export a sealed run",
         usage="vault run --image DIGEST --dataset DIGEST [--config FILE] --seed SEED "
-        "[--team TEAM] -- SBATCH_ARGS...",
+        "[--team TEAM] -- SBATCH_ARGS...\n       vault run export RUN --mlflow URI "
+        "[--experiment NAME] [--json]",
         description="Everything after -- goes to sbatch (options, then the batch script).",
     )
-    _input_arguments(p, config_help="the config file (stored and pinned) or its digest")
+    # Not required here, so that `vault run export` need not give them; `_run` requires them.
+    _input_arguments(
+        p, config_help="the config file (stored and pinned) or its digest", required=False
+    )
     # What follows `--` is sbatch's (the command splits it off before parsing).
-    p.set_defaults(func=partial(_run, connect=connect), sbatch_args=[])
+    p.set_defaults(func=partial(_run, connect=connect, usage=p.error), sbatch_args=[])
+    actions = p.add_subparsers(dest="run_action", metavar="export", prog="vault run")
+    q = actions.add_parser(
+        "export",
+        help="record a sealed run as an MLflow run (params, metrics, outputs by digest)",
+        description="Writes one MLflow run for the run's manifest through MLflow's client "
+        f"({INSTALL_HINT}); a run exported before is found by its tag, not written again.",
+    )
+    q.add_argument("run", metavar="RUN", help="the run id, or the digest of its run manifest")
+    q.add_argument(
+        "--mlflow", required=True, metavar="URI", help="the tracking server: http(s)://HOST:PORT"
+    )
+    q.add_argument("--experiment", default="", help="default: the run's team")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=partial(_export, connect=connect, usage=q.error))
 
     p = sub.add_parser(
         "replay",
@@ -87,17 +117,19 @@ def add_run_commands(sub: Any, connect: Connect) -> None:
     p.set_defaults(func=partial(_replay, connect=connect), sbatch_args=[])
 
 
-def _input_arguments(p: argparse.ArgumentParser, *, config_help: str) -> None:
-    p.add_argument("--image", required=True, metavar="DIGEST", help="the container image")
+def _input_arguments(
+    p: argparse.ArgumentParser, *, config_help: str, required: bool = True
+) -> None:
+    p.add_argument("--image", required=required, metavar="DIGEST", help="the container image")
     p.add_argument(
         "--dataset",
-        required=True,
+        required=required,
         metavar="DIGEST|NAME[@TAG]",
         help="the dataset manifest, by digest or by name (resolved, verified, and the job "
         "pinned by the digest)",
     )
     p.add_argument("--config", dest="run_config", default="", help=config_help)
-    p.add_argument("--seed", required=True, help="decimal or 0x-hex")
+    p.add_argument("--seed", required=required, help="decimal or 0x-hex")
     p.add_argument("--team", default="", help="default: client.team, or your credential's team")
 
 
@@ -246,7 +278,12 @@ def batch_script(sbatch_args: list[str]) -> Path | None:
     return None
 
 
-def _run(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+def _run(
+    args: argparse.Namespace, config: Config, *, connect: Connect, usage: Callable[[str], NoReturn]
+) -> int:
+    missing = [f"--{name}" for name in _INPUTS if getattr(args, name) is None]
+    if missing:
+        usage(f"the following arguments are required: {', '.join(missing)}")
     sbatch_args = _sbatch_args(args)
     parse_seed(args.seed)
     script = batch_script(sbatch_args)
@@ -288,6 +325,80 @@ def _run(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
             raise
     _launched(job, admission)
     return 0
+
+
+# ---------------------------------------------------------------------- vault run export
+
+
+def _export(
+    args: argparse.Namespace, config: Config, *, connect: Connect, usage: Callable[[str], NoReturn]
+) -> int:
+    given = [f"--{name}" for name in (*_INPUTS, "team") if getattr(args, name)]
+    if args.run_config:
+        given.append("--config")
+    if given:
+        usage(f"{', '.join(given)}: options of `vault run`, not of `vault run export`")
+    if args.sbatch_args:
+        usage(f"unrecognized arguments: -- {' '.join(args.sbatch_args)}")
+    check_tracking_uri(args.mlflow)
+    with connect(config) as client:
+        # The manifest its own team sealed, fetched verified; refused otherwise, naming why.
+        sealed = find_sealed_run(client, args.run, purpose="export")
+        metrics = read_metrics(client, sealed.manifest)
+        vault = client.target
+    target = MlflowTarget(args.mlflow)
+    target.check_reachable()
+    exported = target.export(sealed, metrics, vault=vault, experiment=args.experiment)
+    values = sum(len(series) for series in metrics.values.values())
+    if args.json:
+        print_json(_exported_dict(exported, sealed, values, metrics.skipped))
+        return 0
+    _step(
+        "✓",
+        "run sealed",
+        f"{_short(sealed.digest)}  run {_short(sealed.run_id)}  team {shown(sealed.team)}",
+    )
+    where = f"run {exported.run_id}  experiment {shown(exported.experiment)}"
+    if not exported.created:
+        _step("=", "already in MLflow", f"{where}  (exported before: nothing written)")
+    else:
+        for replaced in exported.replaced:
+            _step("✓", "unfinished export deleted", f"run {replaced}")
+        _step("✓", "exported to MLflow", where)
+        params = len(run_params(sealed.manifest))
+        outputs = len(sealed.manifest.outputs)
+        _step(
+            " ",
+            "",
+            f"params {params}  metrics {values}  outputs {outputs} by digest in {OUTPUTS_ARTIFACT}",
+        )
+        if metrics.skipped:
+            _step("!", "metrics not exported", shown(metrics.skipped))
+    _step("→", "MLflow run", exported.url)
+    return 0
+
+
+def _exported_dict(
+    exported: Exported, sealed: SealedRun, metric_values: int, skipped: str
+) -> dict[str, Any]:
+    return {
+        "run": sealed.run_id,
+        "manifest": sealed.digest,
+        "team": sealed.team,
+        "created": exported.created,
+        "replaced": list(exported.replaced),
+        "mlflow": {
+            "tracking_uri": exported.tracking_uri,
+            "experiment": exported.experiment,
+            "experiment_id": exported.experiment_id,
+            "run_id": exported.run_id,
+            "url": exported.url,
+        },
+        "params": run_params(sealed.manifest),
+        "metric_values": metric_values,
+        "metrics_skipped": skipped,
+        "outputs": len(sealed.manifest.outputs),
+    }
 
 
 def _not_submitted(client: VaultClient, admission: Admission, failure: VaultError) -> VaultError:

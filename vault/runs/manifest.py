@@ -405,10 +405,11 @@ def read_bounded(client: VaultClient, digest: str, what: str, limit: int) -> byt
     return read_all(reader)
 
 
-def load_run_manifest(client: VaultClient, digest: str) -> RunManifest:
+def load_run_manifest(client: VaultClient, digest: str, *, purpose: str = "replay") -> RunManifest:
     """A published run manifest: fetched verified, decoded strictly, and checked to be pinned
-    as its run's manifest by the team the run was admitted for (what `vault replay` starts
-    from). A manifest anyone else pinned for the run is refused, naming who pinned it."""
+    as its run's manifest by the team the run was admitted for (what `vault replay` and `vault
+    run export` start from). A manifest anyone else pinned for the run is refused, naming who
+    pinned it and refusing to `purpose` it."""
     wanted = str(Digest.parse(digest))
     manifest = RunManifest.decode(
         read_bounded(client, wanted, "run manifest", MAX_RUN_MANIFEST_BYTES)
@@ -437,7 +438,8 @@ def load_run_manifest(client: VaultClient, digest: str) -> RunManifest:
         raise PermissionDenied(
             f"run manifest {wanted} was sealed by {sealer.author} (team "
             f"{sealer.meta.get('team') or 'not recorded'}, entry {sealer.index}), not by team "
-            f"{team or 'none'}, which run {manifest.run_id} was admitted for: refusing to replay it"
+            f"{team or 'none'}, which run {manifest.run_id} was admitted for: "
+            f"refusing to {purpose} it"
         )
     return manifest
 
