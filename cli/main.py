@@ -7,7 +7,7 @@ import base64
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, Final, NoReturn
 
@@ -22,6 +22,7 @@ from cli.run import add_run_commands
 from cli.serve import add_serve_command, create_token_offline
 from cli.signals import terminable
 from cli.tier import add_tier_commands
+from cli.times import time_arg
 from vault import config as config_module
 from vault.client import BlobInfo, ProvenEntry, VaultClient
 from vault.client.connect import open_client
@@ -235,9 +236,25 @@ def cmd_log(args: argparse.Namespace, config: Config) -> int:
 def cmd_checkpoint(args: argparse.Namespace, config: Config) -> int:
     with _client(config) as client:
         if args.key:
-            print(client.verifier())
+            key = str(client.verifier())
+            if args.json:
+                print_json({"verifier_key": key})
+            else:
+                print(key)
             return 0
-        sys.stdout.write(client.checkpoint_note())
+        note = client.checkpoint_note()
+        if args.json:
+            checkpoint = client.verifier().open(note)
+            print_json(
+                {
+                    "origin": checkpoint.origin,
+                    "size": checkpoint.size,
+                    "root": base64.b64encode(checkpoint.root).decode(),
+                    "note": note,
+                }
+            )
+        else:
+            sys.stdout.write(note)
     return 0
 
 
@@ -279,42 +296,60 @@ def cmd_verify(args: argparse.Namespace, config: Config) -> int:
         overrides["min_witnesses"] = args.min_witnesses
     if overrides:
         config = config_module.apply(config, {"client": overrides}, "the command line")
+    # With --json, one object at the end; the lines a person reads are not printed.
+    say: Callable[[str], None] = (lambda line: None) if args.json else print
+    result: dict[str, Any] = {}
     with _client(config) as client:
         if client.witnesses is not None:
             # Before the audit, so that it checks the stored entries against this checkpoint.
             checkpoint, cosignatures = client.witnessed()
-            names = ", ".join(c.witness.label for c in cosignatures)
-            print(
-                f"witnesses: checkpoint of size {checkpoint.size} cosigned by {names} "
-                f"({client.witnesses.required} of {len(client.witnesses.witnesses)} required)"
+            names = [c.witness.label for c in cosignatures]
+            say(
+                f"witnesses: checkpoint of size {checkpoint.size} cosigned by "
+                f"{', '.join(names)} ({client.witnesses.required} of "
+                f"{len(client.witnesses.witnesses)} required)"
             )
+            result["witnesses"] = {"size": checkpoint.size, "cosigned_by": names}
         bar = Progress("verify ledger", None, unit="entries")
         report = client.audit(progress=lambda done, total: bar.set(done, total))
         bar.close()
         ok = report.ok
-        print(f"ledger: {report.entries} entries, {report.checkpoints} checkpoints checked")
-        for failure in sorted(report.failures, key=lambda f: f.index)[:20]:
-            print(f"  FAIL {failure}")
-        if len(report.failures) > 20:
-            print(f"  … and {len(report.failures) - 20} more failures")
+        failures = sorted(report.failures, key=lambda f: f.index)
+        result["ledger"] = {
+            "ok": report.ok,
+            "entries": report.entries,
+            "checkpoints": report.checkpoints,
+            "first_break": report.first.index if report.first else None,
+            "failures": [{"index": f.index, "message": f.message} for f in failures],
+        }
+        say(f"ledger: {report.entries} entries, {report.checkpoints} checkpoints checked")
+        for failure in failures[:20]:
+            say(f"  FAIL {failure}")
+        if len(failures) > 20:
+            say(f"  … and {len(failures) - 20} more failures")
         if report.first:
-            print(f"ledger verification FAILED: first break at index {report.first.index}")
+            say(f"ledger verification FAILED: first break at index {report.first.index}")
         else:
-            print("ledger OK")
+            say("ledger OK")
         if args.blobs:
             bar = Progress("verify blobs", None, unit="blobs")
-            checked = failed = 0
+            checked = 0
+            failed: list[dict[str, str]] = []
             for step in client.verify_blobs():
                 checked = step.checked
                 bar.set(step.checked, step.total)
                 if step.failed_digest:
-                    failed += 1
-                    print(f"  FAIL blob {step.failed_digest}: {step.failure}")
+                    failed.append({"digest": step.failed_digest, "failure": step.failure})
+                    say(f"  FAIL blob {step.failed_digest}: {step.failure}")
                 if step.copies:
-                    print(f"  blob {step.digest}: {_copies_line(step)}")
+                    say(f"  blob {step.digest}: {_copies_line(step)}")
             bar.close()
-            print(f"blobs: {checked} pinned blobs checked, {failed} failed")
-            ok = ok and failed == 0
+            say(f"blobs: {checked} pinned blobs checked, {len(failed)} failed")
+            result["blobs"] = {"checked": checked, "failed": failed}
+            ok = ok and not failed
+    result["ok"] = ok
+    if args.json:
+        print_json(result)
     return 0 if ok else 1
 
 
@@ -429,8 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind")
     p.add_argument("--digest")
     p.add_argument("--author")
-    p.add_argument("--since", help="RFC 3339 time, inclusive")
-    p.add_argument("--until", help="RFC 3339 time, exclusive")
+    p.add_argument(
+        "--since", type=time_arg, help="entries from this time: 2h, 3d, 2026-11-24 or RFC 3339"
+    )
+    p.add_argument("--until", type=time_arg, help="entries before this time (the same forms)")
     p.add_argument("--start", type=_non_negative, default=0, help="first index")
     p.add_argument("--limit", type=_non_negative)
     p.add_argument("--json", action="store_true", help="one JSON object a line")
@@ -438,6 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("checkpoint", help="print the latest signed checkpoint (verified)")
     p.add_argument("--key", action="store_true", help="print the vault's verifier key instead")
+    p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_checkpoint)
 
     p = sub.add_parser("proof", help="print an inclusion or consistency proof")
@@ -456,6 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
         "verify", help="audit the whole ledger (and with --blobs, every pinned blob)"
     )
     p.add_argument("--blobs", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object: what was checked")
     p.add_argument(
         "--witness",
         action="append",

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import threading
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import grpc
@@ -559,6 +559,60 @@ def test_log_filters_by_kind_digest_author_and_time_and_pages_past_a_thousand(
     assert text.split()[:4] == [str(later.index), later.time, "image", digests[1]]
     line = vault_server.run("log", "--kind", "model").error_line()
     assert "unknown kind 'model'" in line
+
+
+def test_log_since_and_until_take_durations_dates_and_any_rfc_3339_time(
+    vault_server: VaultServer,
+) -> None:
+    """Times are compared as times, whatever form they were given in; anything that is not a
+    time is refused in one line, by the command and by the server."""
+    author = f"since-{random.getrandbits(32):08x}"
+    with vault_server.client(author=author) as client:
+        entry = client.pin("image", "sha256:" + os.urandom(32).hex(), external=True).entry
+    mine = ["log", "--author", author, "--json"]
+    at = datetime.strptime(entry.time, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+    # The same moment one hour east of UTC, and a second before it, to the second.
+    east = at.astimezone(timezone(timedelta(hours=1)))
+    before = (east - timedelta(seconds=1)).strftime("%Y-%m-%dT%H:%M:%S+01:00")
+    after = (east + timedelta(seconds=1)).strftime("%Y-%m-%dT%H:%M:%S+01:00")
+    found = {
+        "2h": [entry.index],
+        "1w": [entry.index],
+        at.strftime("%Y-%m-%d"): [entry.index],
+        before: [entry.index],
+        after: [],
+        (at + timedelta(days=1)).strftime("%Y-%m-%d"): [],
+    }
+    for since, expected in found.items():
+        lines = vault_server.run(*mine, "--since", since).ok().json_lines()
+        assert [e["index"] for e in lines] == expected, since
+    assert vault_server.run(*mine, "--until", after).ok().json_lines() != []
+    assert vault_server.run(*mine, "--until", before).ok().json_lines() == []
+
+    for bad in ("yesterday", "2h ago", "2026-13-01", "2026-11-24 10:00", "0d"):
+        run = vault_server.run(*mine, "--since", bad)
+        assert run.returncode == 2, run.describe()
+        assert "--since: expected a duration such as 2h or 3d" in run.error_line(), bad
+    with vault_server.client() as client, pytest.raises(grpc.RpcError) as refused:
+        client.ledger.Log(pb.LogRequest(since="2026-11-24 10:00"), timeout=30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "since '2026-11-24 10:00' is not an RFC 3339 time" in str(refused.value.details())
+
+
+def test_checkpoint_and_verify_answer_in_json(vault_server: VaultServer) -> None:
+    with vault_server.client() as client:
+        client.pin("artefact", put(vault_server, b"an output for json")[0])
+    checkpoint = vault_server.run("checkpoint", "--json").ok().json()
+    key = vault_server.run("checkpoint", "--key", "--json").ok().json()["verifier_key"]
+    opened = Verifier.from_string(key).open(checkpoint["note"])
+    assert checkpoint["size"] == opened.size and checkpoint["origin"] == opened.origin
+    assert base64.b64decode(checkpoint["root"]) == opened.root
+
+    report = vault_server.run("verify", "--blobs", "--json").ok().json()
+    assert report["ok"] is True
+    assert report["ledger"]["ok"] is True and report["ledger"]["first_break"] is None
+    assert report["ledger"]["entries"] >= opened.size and report["ledger"]["failures"] == []
+    assert report["blobs"]["checked"] >= 1 and report["blobs"]["failed"] == []
 
 
 def test_checkpoint_is_a_c2sp_signed_note_over_the_rfc6962_root_of_the_entries(

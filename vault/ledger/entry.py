@@ -11,7 +11,7 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any, Final
 
 from vault.digest import check_digest
@@ -143,6 +143,33 @@ _string: Callable[[str], str] = json.encoder.encode_basestring
 def now() -> str:
     """The entry time format: RFC 3339, UTC, microseconds, `Z`."""
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+_RFC3339 = re.compile(
+    r"(\d{4})-(\d{2})-(\d{2})[Tt](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?"
+    r"(?:([Zz])|([+-])(\d{2}):(\d{2}))"
+)
+
+
+def time_bound(text: str, what: str) -> str:
+    """An RFC 3339 time (any offset, up to nanoseconds) in the entry time format, so that it
+    compares with entries' times as text; InvalidArgument naming `what` for anything else."""
+    match = _RFC3339.fullmatch(text)
+    if match is None:
+        raise InvalidArgument(
+            f"{what} {text!r} is not an RFC 3339 time such as 2026-11-24T09:30:00Z"
+        )
+    year, month, day, hour, minute, second = (int(match[n]) for n in range(1, 7))
+    micro = int((match[7] or "0")[:6].ljust(6, "0"))
+    try:
+        offset = timedelta(0)
+        if match[9]:
+            sign = 1 if match[9] == "+" else -1
+            offset = sign * timedelta(hours=int(match[10]), minutes=int(match[11]))
+        moment = datetime(year, month, day, hour, minute, min(second, 59), micro, timezone(offset))
+    except ValueError as exc:
+        raise InvalidArgument(f"{what} {text!r} is not a valid time: {exc}") from None
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def check_kind(kind: str) -> str:

@@ -16,6 +16,7 @@ from vault.errors import (
     PermissionDenied,
     VaultError,
 )
+from vault.ledger.entry import time_bound
 from vault.ledger.log import Ledger
 from vault.ledger.records import LogFilter, PinSpec, SignedCheckpoint, StoredEntry
 from vault.server.admission import ADMITTED, TEAM, Runs
@@ -213,8 +214,8 @@ class LedgerService(Service, rpc.LedgerServicer):
             kind=request.kind or None,
             digest=str(Digest.parse(request.digest)) if request.digest else None,
             author=request.author or None,
-            since=request.since or None,
-            until=request.until or None,
+            since=time_bound(request.since, "since") if request.since else None,
+            until=time_bound(request.until, "until") if request.until else None,
         )
         entries = self.ledger.log(request.start, limit + 1, where)
         more = len(entries) > limit
