@@ -54,9 +54,16 @@ def partials(folder: Path) -> list[Path]:
     return sorted(folder.glob(".*.pinvault-partial-*"))
 
 
+def _as_in_a_terminal() -> None:
+    """The get gets SIGINT as a command in the foreground of a terminal does, even when the
+    tests run in the background of a shell, which starts them with SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_get(server: VaultServer, target: Path, *, address: str | None = None) -> Any:
     return subprocess.Popen(
         [*VAULT_COMMAND, "get", DIGEST, "-o", str(target)],
+        preexec_fn=_as_in_a_terminal,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=command_env(
