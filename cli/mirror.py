@@ -1,29 +1,55 @@
-"""`vault mirror status|sync|repair`, run on the vault's host against its config and data folder
-(the replication queue is a SQLite file there, safe to share with a running `vault serve`): the
-mirrors are opened and worked on by vault/server/mirror_admin.py, and the results printed here."""
+"""`vault mirror add|status|sync|repair`, run on the vault's host against its config and data
+folder (the replication queue is a SQLite file there, safe to share with a running `vault
+serve`): the mirrors are checked, opened and worked on by vault/server/mirror_admin.py, and the
+results printed here."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from cli.output import print_json
-from vault.config import Config
+from vault.config import Config, file_path
 from vault.errors import IntegrityError, Unavailable
 from vault.files import size_text
 
 # The server's modules (and the mirrors and botocore under them) load only when a command here
 # runs: every other `vault` command, the Slurm plugin's too, starts without them.
+if TYPE_CHECKING:
+    from vault.server.mirror_admin import MirrorAdded
 
 
 def add_mirror_commands(sub: Any) -> None:
     """Add `vault mirror …` to the command's subparsers."""
 
-    p = sub.add_parser("mirror", help="S3 peer mirrors: status, sync, repair (on the vault host)")
+    p = sub.add_parser(
+        "mirror", help="S3 peer mirrors: add, status, sync, repair (on the vault host)"
+    )
     commands = p.add_subparsers(dest="mirror_command", required=True, metavar="COMMAND")
 
     q = commands.add_parser(
-        "status", help="per mirror: reachable, verified objects and bytes, queued copies, lag"
+        "add",
+        help="check an S3 bucket with its keys (PVMIRROR_<NAME>_ACCESS_KEY_ID and "
+        "_SECRET_ACCESS_KEY) and add it to the config file as a mirror",
+    )
+    q.add_argument("name", metavar="NAME", help="lowercase letters, digits and dashes")
+    q.add_argument("--endpoint", required=True, metavar="URL", help="http(s)://HOST[:PORT]")
+    q.add_argument("--bucket", required=True)
+    q.add_argument("--prefix", default="", help="keep the vault's objects under this prefix")
+    q.add_argument(
+        "--create-bucket", action="store_true", help="create the bucket if it does not exist"
+    )
+    q.add_argument(
+        "--replicas", type=int, metavar="N", help="set mirrors.replicas: copies of each blob"
+    )
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=_add)
+
+    q = commands.add_parser(
+        "status",
+        help="per mirror: reachable, verified objects and bytes, queued copies, lag, last "
+        "verified (exit 1 if any mirror is down)",
     )
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_status)
@@ -44,24 +70,100 @@ def add_mirror_commands(sub: Any) -> None:
     q.set_defaults(func=_repair)
 
 
+def _add(args: argparse.Namespace, config: Config) -> int:
+    from vault.server import mirror_admin
+
+    added = mirror_admin.add(
+        config,
+        file_path(args.config),
+        name=args.name,
+        url=args.endpoint,
+        bucket=args.bucket,
+        prefix=args.prefix,
+        create_bucket=args.create_bucket,
+        replicas=args.replicas,
+    )
+    short = len(added.mirrors) < added.replicas
+    if args.json:
+        print_json(
+            {
+                "name": added.location.name,
+                "endpoint": added.location.url,
+                "bucket": added.location.bucket,
+                "prefix": added.location.prefix,
+                "bucket_created": added.bucket_created,
+                "credentials": list(added.credentials),
+                "config": str(added.config_file),
+                "mirrors": added.mirrors,
+                "replicas": added.replicas,
+                "ready": not short,
+            }
+        )
+        return 0
+    _print_added(added, short)
+    return 0
+
+
+def _print_added(added: MirrorAdded, short: bool) -> None:
+    where = added.location.item.partition("=")[2]
+    print(f"mirror {added.location.name}: {where}")
+    if added.bucket_created:
+        print(f"  created bucket {added.location.bucket}")
+    print(f"  keys {' and '.join(added.credentials)}: a test object written, read back, deleted")
+    count = len(added.mirrors)
+    print(
+        f"added to {added.config_file}: {_count(count, 'mirror')} ({', '.join(added.mirrors)}), "
+        f"{_count(added.replicas, 'copy', 'copies')} of each blob"
+    )
+    if short:
+        print(
+            f"  mirrors.replicas is {added.replicas}: `vault serve` refuses to start with "
+            f"fewer mirrors (add {added.replicas - count} more, or lower it with --replicas)"
+        )
+    print(
+        "`vault serve` uses it from its next start (restart a running one, with the keys in "
+        "its environment); `vault mirror sync` then copies the blobs stored before"
+    )
+
+
 def _status(args: argparse.Namespace, config: Config) -> int:
     from vault.server import mirror_admin
 
     found = mirror_admin.status(config)
     if args.json:
         print_json([status.as_json() for status in found])
-        return 0
-    print(f"{'mirror':<12} {'reachable':<9} {'objects':>8} {'bytes':>10} {'queued':>7} lag")
-    for s in found:
+    else:
         print(
-            f"{s.name:<12} {'yes' if s.reachable else 'NO':<9} {s.objects:>8} "
-            f"{size_text(s.bytes):>10} {s.queued:>7} {s.lag_seconds:.0f}s"
+            f"{'mirror':<12} {'reachable':<9} {'objects':>8} {'bytes':>10} {'queued':>7} "
+            f"{'lag':>6}  last verified"
         )
-        if not s.reachable:
-            print(f"  unreachable: {' '.join(s.error.split())}")
-        if s.queued and s.last_error:
-            print(f"  last error: {' '.join(s.last_error.split())}")
+        now = time.time()
+        for s in found:
+            verified = "never" if s.last_verified is None else _ago(now - s.last_verified)
+            print(
+                f"{s.name:<12} {'yes' if s.reachable else 'NO':<9} {s.objects:>8} "
+                f"{size_text(s.bytes):>10} {s.queued:>7} {s.lag_seconds:>5.0f}s  {verified}"
+            )
+            if not s.reachable:
+                print(f"  unreachable: {' '.join(s.error.split())}")
+            if s.queued and s.last_error:
+                print(f"  last error: {' '.join(s.last_error.split())}")
+    down = [f"{s.name} ({' '.join(s.error.split())})" for s in found if not s.reachable]
+    if down:
+        raise Unavailable("mirrors down: " + "; ".join(down))
     return 0
+
+
+def _count(number: int, one: str, many: str = "") -> str:
+    return f"{number} {one if number == 1 else many or one + 's'}"
+
+
+def _ago(seconds: float) -> str:
+    """An age as people read it: 40s ago, 5m ago, 3h ago, 2d ago."""
+    for unit, size in (("d", 86_400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit} ago"
+    return f"{max(seconds, 0):.0f}s ago"
 
 
 def _sync(args: argparse.Namespace, config: Config) -> int:

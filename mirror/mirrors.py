@@ -19,6 +19,7 @@ from vault.store.protocol import Closing
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
 _SEPARATORS = re.compile(r"[\s,]+")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 ACCESS_KEY_SUFFIX: Final = "_ACCESS_KEY_ID"
 SECRET_KEY_SUFFIX: Final = "_SECRET_ACCESS_KEY"
 
@@ -42,12 +43,62 @@ def credential_variables(prefix: str, name: str) -> tuple[str, str]:
     return stem + ACCESS_KEY_SUFFIX, stem + SECRET_KEY_SUFFIX
 
 
-def parse_endpoints(
-    text: str, *, environ: Mapping[str, str], credentials_prefix: str, region: str
-) -> list[MirrorEndpoint]:
+@dataclass(frozen=True, slots=True)
+class MirrorLocation:
+    """Where one mirror is, as `mirrors.endpoints` names it: `NAME=URL/BUCKET[/PREFIX]`."""
+
+    name: str
+    url: str
+    bucket: str
+    prefix: str
+
+    @property
+    def item(self) -> str:
+        """The mirror as an item of `mirrors.endpoints`."""
+        return f"{self.name}={self.url}/{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
+
+
+def check_name(name: str) -> str:
+    """`name` if it may name a mirror; InvalidArgument if not."""
+    if not _NAME.fullmatch(name):
+        raise InvalidArgument(
+            f"mirror name {name!r} must be 1 to 32 lowercase letters, digits and dashes, "
+            "not starting with a dash"
+        )
+    return name
+
+
+def new_location(name: str, url: str, bucket: str, prefix: str) -> MirrorLocation:
+    """A mirror to add, from its parts as a user gives them; InvalidArgument naming the part
+    that cannot be one."""
+    check_name(name)
+    parts = urllib.parse.urlsplit(url)
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.netloc
+        or parts.path.strip("/")
+        or parts.query
+        or parts.fragment
+        or _SEPARATORS.search(url)
+    ):
+        raise InvalidArgument(
+            f"endpoint {url!r} is not http(s)://HOST[:PORT] (the bucket and prefix are given apart)"
+        )
+    if not _BUCKET.fullmatch(bucket):
+        raise InvalidArgument(
+            f"bucket {bucket!r} is not an S3 bucket name: 3 to 63 lowercase letters, digits, "
+            "dots and dashes, beginning and ending with a letter or digit"
+        )
+    prefix = prefix.strip("/")
+    if _SEPARATORS.search(prefix) or "//" in prefix:
+        raise InvalidArgument(f"prefix {prefix!r} holds a space, a comma or an empty folder")
+    return MirrorLocation(name, f"{parts.scheme}://{parts.netloc}", bucket, prefix)
+
+
+def parse_locations(text: str) -> list[MirrorLocation]:
     """Mirrors from `NAME=http(s)://HOST[:PORT]/BUCKET[/PREFIX]` items separated by spaces or
-    commas, each with its keys from the environment; InvalidArgument naming what is wrong."""
-    endpoints: list[MirrorEndpoint] = []
+    commas; InvalidArgument naming what is wrong."""
+    locations: list[MirrorLocation] = []
     for item in _SEPARATORS.split(text.strip()):
         if not item:
             continue
@@ -64,8 +115,20 @@ def parse_endpoints(
                 f"mirrors.endpoints: mirror {name} has {url!r}, expected "
                 "http(s)://HOST[:PORT]/BUCKET[/PREFIX]"
             )
-        if any(endpoint.name == name for endpoint in endpoints):
+        if any(location.name == name for location in locations):
             raise InvalidArgument(f"mirrors.endpoints: mirror {name} is named twice")
+        locations.append(MirrorLocation(name, f"{parts.scheme}://{parts.netloc}", bucket, prefix))
+    return locations
+
+
+def parse_endpoints(
+    text: str, *, environ: Mapping[str, str], credentials_prefix: str, region: str
+) -> list[MirrorEndpoint]:
+    """The mirrors of `parse_locations`, each with its keys from the environment;
+    InvalidArgument naming the variables missing."""
+    endpoints: list[MirrorEndpoint] = []
+    for location in parse_locations(text):
+        name = location.name
         access_variable, secret_variable = credential_variables(credentials_prefix, name)
         missing = [v for v in (access_variable, secret_variable) if not environ.get(v)]
         if missing:
@@ -75,9 +138,9 @@ def parse_endpoints(
         endpoints.append(
             MirrorEndpoint(
                 name=name,
-                url=f"{parts.scheme}://{parts.netloc}",
-                bucket=bucket,
-                prefix=prefix,
+                url=location.url,
+                bucket=location.bucket,
+                prefix=location.prefix,
                 access_key_id=environ[access_variable],
                 secret_access_key=environ[secret_variable],
                 region=region,

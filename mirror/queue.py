@@ -64,6 +64,8 @@ class MirrorCounts:
     queued_bytes: int = 0
     oldest_queued: float | None = None
     last_error: str = ""
+    # When a copy on the mirror was last verified (None: none has been).
+    last_verified: float | None = None
 
 
 class ReplicationQueue:
@@ -270,14 +272,18 @@ class ReplicationQueue:
         return int(row[0])
 
     def counts(self) -> dict[str, MirrorCounts]:
-        """Per mirror: its copies in the placement record and their bytes; queued copies,
-        their bytes, the time the oldest was queued and the last error met."""
+        """Per mirror: its copies in the placement record, their bytes and when one was last
+        verified; queued copies, their bytes, the time the oldest was queued and the last error
+        met."""
         found: dict[str, MirrorCounts] = {}
         with self._placing() as placements:
             totals = placements.totals()
+            verified = placements.last_verified()
         for tier, (objects, size) in totals.items():
             if tier.startswith(MIRROR_TIER_PREFIX):
-                found[tier.removeprefix(MIRROR_TIER_PREFIX)] = MirrorCounts(objects, size)
+                found[tier.removeprefix(MIRROR_TIER_PREFIX)] = MirrorCounts(
+                    objects, size, last_verified=verified.get(tier)
+                )
         for mirror, queued, size, oldest in self._query(
             "SELECT mirror, COUNT(*), SUM(size), MIN(queued) FROM pending GROUP BY mirror"
         ):
@@ -290,6 +296,7 @@ class ReplicationQueue:
             found[str(mirror)] = MirrorCounts(
                 objects=base.objects,
                 bytes=base.bytes,
+                last_verified=base.last_verified,
                 queued=int(queued),
                 queued_bytes=int(size or 0),
                 oldest_queued=float(oldest),

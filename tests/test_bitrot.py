@@ -163,7 +163,9 @@ def test_vault_repairs_a_mirror_copy_minio_finds_rotten_and_tells_an_unreachable
         server.run("pin", "artefact", str(digest)).ok()
 
         def mirrored() -> bool:
-            rows = server.run("mirror", "status", "--json", env=host).ok().json()
+            status = server.run("mirror", "status", "--json", env=host)
+            assert status.returncode == 1, status.describe()  # c is down
+            rows = status.json()
             return all(row["objects"] == 1 for row in rows if row["name"] in ("a", "b"))
 
         wait_for(mirrored, "mirrors a and b hold the blob")
@@ -176,7 +178,11 @@ def test_vault_repairs_a_mirror_copy_minio_finds_rotten_and_tells_an_unreachable
                 tier.verify(digest)
 
         rot_on_a()
-        status = {row["name"]: row for row in host_json(server, host, "mirror", "status")}
+        down = server.run("mirror", "status", "--json", env=host)
+        assert down.error_line().startswith("vault: UNAVAILABLE: mirrors down: c ("), (
+            down.describe()
+        )
+        status = {row["name"]: row for row in down.json()}
         assert (status["a"]["reachable"], status["c"]["reachable"]) == (True, False)
 
         repair = server.run("mirror", "repair", env=host)

@@ -410,7 +410,9 @@ class Campaign:
         erring.delete_bucket(lost_bucket)
         hanging.freeze()
         try:
-            rows = {r["name"]: r for r in self.vault("mirror", "status", "--json").ok().json()}
+            status = self.vault("mirror", "status", "--json")
+            assert status.returncode == 1, status.describe()
+            rows = {r["name"]: r for r in status.json()}
             down = rows[NAMES[self.hanging]]
             if not down["reachable"] and "timeout" in down["error"].lower():
                 hang.detected = f"vault mirror status: {down['error']}"

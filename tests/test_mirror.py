@@ -425,10 +425,18 @@ def test_vault_serve_replicates_survives_a_kill_and_vault_mirror_repairs(
         server.process = None
         server.restart()
 
-        status = {row["name"]: row for row in vault_mirror("status", "--json").ok().json()}
+        down = vault_mirror("status", "--json")
+        assert down.error_line().startswith("vault: UNAVAILABLE: mirrors down: b ("), (
+            down.describe()
+        )
+        status = {row["name"]: row for row in down.json()}
         assert status["b"]["reachable"] is False
         assert status["b"]["queued"] == len(files)
-        text = vault_mirror("status").ok().stdout
+        table = vault_mirror("status")
+        assert table.error_line().startswith("vault: UNAVAILABLE: mirrors down: b ("), (
+            table.describe()
+        )
+        text = table.stdout
         assert any(line.split()[:2] == ["b", "NO"] for line in text.splitlines()), text
     finally:
         minios[1].resume()

@@ -284,6 +284,15 @@ class Journal:
             ).fetchall()
         return {tier: (count, size) for tier, count, size in rows}
 
+    def last_verified(self) -> dict[str, float]:
+        """Per tier: when a copy there was last verified (tiers with none verified left out)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT tier, max(last_verified) FROM placements "
+                "WHERE last_verified IS NOT NULL GROUP BY tier"
+            ).fetchall()
+        return {tier: float(when) for tier, when in rows}
+
     def suspected(self) -> set[str]:
         """The digests (as text) of which some copy's last journal record says it was lost or
         its rewrite failed: the only ones `damaged` can name."""

@@ -4,17 +4,20 @@ server, the `vault` command and the run library inside a job all read it here.""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import secrets
 import socket
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Final
 
 from vault.errors import ConfigError, InvalidArgument
+from vault.files import fsync_dir
 
 # What a job carries in its environment: its pins, and what admission answered
 # (docs/run-manifest.md). They are the job's, not the `vault` command's configuration, which
@@ -419,12 +422,18 @@ def apply(config: Config, values: Mapping[str, Any], source: str) -> Config:
     return replace(config, **top)
 
 
+def file_path(path: str | None = None, environ: Mapping[str, str] | None = None) -> Path | None:
+    """The config file read: `path` (`--config`), else $PINVAULT_CONFIG; None for neither."""
+    env = os.environ if environ is None else environ
+    path = path or env.get(CONFIG_ENV)
+    return Path(path).expanduser() if path else None
+
+
 def load(path: str | None = None, environ: Mapping[str, str] | None = None) -> Config:
     env = os.environ if environ is None else environ
     config = Config()
-    path = path or env.get(CONFIG_ENV)
-    if path:
-        file = Path(path).expanduser()
+    file = file_path(path, env)
+    if file is not None:
         try:
             with open(file, "rb") as f:
                 values = tomllib.load(f)
@@ -465,3 +474,59 @@ def load(path: str | None = None, environ: Mapping[str, str] | None = None) -> C
             )
         config = apply(config, {section: {item: value}}, source)
     return config
+
+
+@contextlib.contextmanager
+def updating(path: Path, section: str) -> Iterator[dict[str, str | int]]:
+    """Change keys of one [section] of the config file at `path`: the caller sets them in the
+    dict yielded, and they are written when the block ends without an error, every other line
+    and comment of the file kept as it was. The file is read, and the new file made beside it,
+    before the block runs, so that a file that cannot be rewritten is refused first; the new
+    file takes the old one's mode and replaces it in one rename, and only if the old one is
+    still as it was read (its owner kept too, where this process may)."""
+    import tomlkit
+    from tomlkit.exceptions import TOMLKitError
+
+    target = path.resolve()
+    try:
+        before = target.read_bytes()
+        document = tomlkit.parse(before.decode())
+        status = target.stat()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except (UnicodeDecodeError, TOMLKitError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    temp = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(temp, flags, 0o600)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot rewrite config file {path}: {exc.strerror} in {target.parent}"
+        ) from None
+    try:
+        changes: dict[str, str | int] = {}
+        yield changes
+        table = document.get(section)
+        if table is None:
+            table = document[section] = tomlkit.table()
+        for key, value in changes.items():
+            table[key] = value
+        text = tomlkit.dumps(document)
+        apply(Config(), tomllib.loads(text), str(path))
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            fd = -1
+            os.fchmod(file.fileno(), status.st_mode & 0o7777)
+            with contextlib.suppress(PermissionError):
+                os.fchown(file.fileno(), status.st_uid, status.st_gid)
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        if target.read_bytes() != before:
+            raise ConfigError(f"config file {path} changed meanwhile: nothing written; try again")
+        os.replace(temp, target)
+        fsync_dir(target.parent)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        temp.unlink(missing_ok=True)
