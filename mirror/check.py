@@ -12,8 +12,7 @@ from typing import Any, Final
 
 from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
 
-from mirror.mirrors import MirrorEndpoint
-from tiers.cold import ColdTier
+from mirror.mirrors import MirrorEndpoint, cold_tier
 from vault.errors import (
     FailedPrecondition,
     IntegrityError,
@@ -57,16 +56,8 @@ def check_endpoint(
     and delete a small object under the prefix. `credentials` names the variables the keys
     came from, for the errors: PermissionDenied if the endpoint refuses the keys for any step,
     FailedPrecondition for a missing bucket, Unavailable if it does not answer."""
-    tier = ColdTier(
-        endpoint_url=endpoint.url,
-        bucket=endpoint.bucket,
-        prefix=endpoint.prefix,
-        access_key_id=endpoint.access_key_id,
-        secret_access_key=endpoint.secret_access_key,
-        region=endpoint.region,
-        connect_timeout=connect_timeout,
-        read_timeout=read_timeout,
-        max_attempts=1,
+    tier = cold_tier(
+        endpoint, connect_timeout=connect_timeout, read_timeout=read_timeout, attempts=1
     )
     with tier:
         probe = _Probe(endpoint, credentials, tier.client)

@@ -260,18 +260,30 @@ def open_mirrors(
     mirrors = [
         Mirror(
             endpoint.name,
-            ColdTier(
-                endpoint_url=endpoint.url,
-                bucket=endpoint.bucket,
-                prefix=endpoint.prefix,
-                access_key_id=endpoint.access_key_id,
-                secret_access_key=endpoint.secret_access_key,
-                region=endpoint.region,
+            cold_tier(
+                endpoint,
                 connect_timeout=connect_timeout,
                 read_timeout=read_timeout,
-                max_attempts=attempts,
+                attempts=attempts,
             ),
         )
         for endpoint in endpoints
     ]
     return MirrorSet(mirrors, replicas=replicas)
+
+
+def cold_tier(
+    endpoint: MirrorEndpoint, *, connect_timeout: float, read_timeout: float, attempts: int
+) -> ColdTier:
+    """The cold tier that holds a mirror's copies at `endpoint` (no request is made yet)."""
+    return ColdTier(
+        endpoint_url=endpoint.url,
+        bucket=endpoint.bucket,
+        prefix=endpoint.prefix,
+        access_key_id=endpoint.access_key_id,
+        secret_access_key=endpoint.secret_access_key,
+        region=endpoint.region,
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
+        max_attempts=attempts,
+    )
