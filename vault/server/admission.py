@@ -5,9 +5,11 @@ team's replay slots. Also who may write into a run: its admitted team, and a rep
 
 from __future__ import annotations
 
+import binascii
 import contextlib
 import hashlib
 import math
+import operator
 import secrets
 import threading
 import time
@@ -218,13 +220,13 @@ class _Stop(Exception):
     """Ends a walk over a manifest's files early."""
 
 
-def _first_file_of(data: bytes | bytearray, missing: set[str]) -> str:
-    """The path of the first file, in manifest order, whose digest is one of `missing`."""
+def _first_file_of(data: bytes | bytearray, missing: set[bytes]) -> str:
+    """The path of the first file, in manifest order, whose digest (raw) is one of `missing`."""
     first: list[str] = []
 
     def look(batch: list[RawFile]) -> None:
         for path, _, _, hexdigest in batch:
-            if "sha256:" + hexdigest.decode() in missing:
+            if binascii.a2b_hex(hexdigest) in missing:
                 first.append(path.decode())
                 raise _Stop
 
@@ -401,8 +403,7 @@ class Admitter:
     def _check_dataset_files(self, digest: str, size: int) -> None:
         """Refuse a dataset whose manifest is not valid or names a file the store lacks. The
         manifest is read through the one validator, which keeps only its distinct digests;
-        they are looked up in sorted order, where neighbours share the index pages they read
-        (one thread does it fastest: a million in under a second)."""
+        the database looks them up a batch at a time (see Content.lacking)."""
         limit = self.policy.max_manifest_bytes
         if size > limit:
             self._refuse(
@@ -420,8 +421,10 @@ class Admitter:
             self._refuse(
                 digest, FailedPrecondition(f"dataset {digest} is not a dataset manifest: {exc}")
             )
-        wanted = ["sha256:" + d.hex() for d in sorted(summary.sizes)]
-        summary.sizes.clear()
+        # In order of their first two bytes, which is all the look-ups need: two stable sorts
+        # by one byte each cost about half of one full sort.
+        wanted = sorted(summary.sizes, key=operator.itemgetter(1))
+        wanted.sort(key=operator.itemgetter(0))
         missing = self.content.lacking(wanted)
         if missing:
             self._refuse(
@@ -432,7 +435,7 @@ class Admitter:
                 ),
                 for_seconds=min(self.policy.verify_interval, self.policy.missing_interval),
             )
-        damaged = self._damage.damaged_among(wanted)
+        damaged = self._damage.damaged_among(summary.sizes)
         if damaged:
             first = _first_file_of(data, damaged)
             self._refuse(

@@ -3,6 +3,7 @@ that makes a blob visible once durable and answers for it by either digest."""
 
 from __future__ import annotations
 
+import binascii
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -28,6 +29,8 @@ from vault.store.chunks import BlobInfo, Chunk
 from vault.store.protocol import BatchBlob, BlobStore, Placed, PlacementRecord, put_many
 
 _QUERY_BATCH: Final = 450
+# Digests `lacking` looks up in one query.
+_LOOKUP_BATCH: Final = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,16 +226,36 @@ class Content:
                 present.add(b3)
         return [d for d in wanted if d not in present]
 
-    _HAVE_SHA256 = "SELECT sha256 FROM blobs WHERE sha256 IN ({0})"
+    # The places in a batch of the digests that are not catalogued, as one list ("4,17,…")
+    # or NULL. The batch is one parameter, so the database, not Python, makes each digest's
+    # text and looks it up: SQLite takes it in hex (a blob, which substr slices in place),
+    # PostgreSQL raw.
+    _LACKING_SQLITE: Final = (
+        "WITH RECURSIVE i(n) AS (SELECT 0 UNION ALL SELECT n + 64 FROM i WHERE n + 64 < length(?1))"
+        " SELECT group_concat(n / 64) FROM i WHERE NOT EXISTS"
+        " (SELECT 1 FROM blobs WHERE sha256 = 'sha256:' || substr(?1, n + 1, 64))"
+    )
+    _LACKING_POSTGRES: Final = (
+        "SELECT string_agg((n / 32)::text, ',') FROM generate_series(0, length(?) - 32, 32) AS n"
+        " WHERE NOT EXISTS (SELECT 1 FROM blobs"
+        " WHERE sha256 = 'sha256:' || encode(substring(? FROM n + 1 FOR 32), 'hex'))"
+    )
 
-    def lacking(self, sha256s: Sequence[str]) -> set[str]:
-        """Those of these well formed `sha256:` digests that are not catalogued. Given in
-        sorted order, neighbouring look-ups share the index pages they read: a million take
-        about a second."""
-        lacking: set[str] = set()
-        for part, found in self._batches(self._HAVE_SHA256, sha256s):
-            if len(found) < len(set(part)):
-                lacking.update(set(part).difference(sha for (sha,) in found))
+    def lacking(self, sha256s: Sequence[bytes]) -> set[bytes]:
+        """Those of these SHA-256 digests (32 raw bytes each) that are not catalogued. Given in
+        sorted order (or nearly: by their first two bytes), neighbouring look-ups share the
+        index pages they read: a million take about 0.6 s, the GIL released for all but the
+        batching."""
+        lacking: set[bytes] = set()
+        for start in range(0, len(sha256s), _LOOKUP_BATCH):
+            part = sha256s[start : start + _LOOKUP_BATCH]
+            joined = b"".join(part)
+            if self.db.is_sqlite:
+                ((places,),) = self.db.fetch(self._LACKING_SQLITE, (binascii.hexlify(joined),))
+            else:
+                ((places,),) = self.db.fetch(self._LACKING_POSTGRES, (joined, joined))
+            if places:
+                lacking.update(map(part.__getitem__, map(int, places.split(","))))
         return lacking
 
     def read(

@@ -5,9 +5,8 @@ asks it about a dataset's files without reading them."""
 
 from __future__ import annotations
 
-import bisect
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable
 from typing import TYPE_CHECKING
 
 from vault.digest import Digest
@@ -45,17 +44,17 @@ class KnownDamage(Closing):
         repaired since (see Journal.damaged); cheap, and no copy is read."""
         return set() if self._journal is None else self._journal.damaged(digests)
 
-    def damaged_among(self, sha256s: Sequence[str]) -> set[str]:
-        """`damaged` of digests given as sorted `sha256:` text (a manifest's million files):
-        only those the journal suspects are parsed and checked."""
+    def damaged_among(self, sha256s: Container[bytes]) -> set[bytes]:
+        """`damaged` of SHA-256 digests given raw (a manifest's million files): only the few
+        the journal suspects are looked for among them and checked."""
         if self._journal is None:
             return set()
         suspects = [
-            Digest.parse(text)
+            digest
             for text in self._journal.suspected()
-            if (at := bisect.bisect_left(sha256s, text)) < len(sha256s) and sha256s[at] == text
+            if (digest := Digest.parse(text)).algorithm == "sha256" and digest.raw in sha256s
         ]
-        return {str(d) for d in self.damaged(suspects)} if suspects else set()
+        return {d.raw for d in self.damaged(suspects)} if suspects else set()
 
     def found_damaged(self, sha256: Digest, found: str) -> None:
         """A check found the blob's one copy damaged or missing: journalled as lost for a lone

@@ -48,8 +48,11 @@ _ENTRY: Final = re.compile(
 # one of these. A path without, without escapes and at most MAX_NAME_BYTES long, passes
 # check_path.
 _PATH_SUSPECTS: Final = (b"//", b"/.", b'/"', b'"path":"/', b'"path":".', b'"path":""')
-# The same signs in paths joined by NULs, and a backslash (an escape).
-_JOINED_SUSPECTS: Final = (b"//", b"/.", b"/\0", b"\0/", b"\0.", b"\0\0", b"\\")
+# The same signs in paths joined by NULs, with each `/` made a NUL too (a path in the manifest's
+# bytes holds none of its own): a `/` at either end, an empty name or an empty path shows as two
+# NULs in a row, a name or path starting with `.` as a NUL and a `.`; and a backslash (an escape).
+_JOINED_SUSPECTS: Final = (b"\0\0", b"\0.", b"\\")
+_SLASH_TO_NUL: Final = bytes.maketrans(b"/", b"\0")
 _UTF8_PIECE: Final = 1 << 22
 # A file as the fast reader hands it on: path (UTF-8), size, mode, digest (hex).
 RawFile = tuple[bytes, int, int, bytes]
@@ -227,7 +230,7 @@ def _check(
     whole-document reader, whose messages name the problem."""
     if len(data) > limit:
         raise InvalidArgument(f"dataset manifest is {len(data)} bytes (at most {limit})")
-    if data.startswith(_HEAD) and _is_utf8(data):
+    if data.startswith(_HEAD) and (data.isascii() or _is_utf8(data)):
         found = _scan_pieces(data, sink)
         if found is None:
             found = _scan(data, sink)
@@ -256,8 +259,8 @@ def _scan_pieces(
 ) -> Summary | None:
     """The fast reader of canonical manifest bytes (known to start with the head and to be
     UTF-8): pieces of about _PIECE_BYTES, each matched entry by entry in C and then checked
-    with whole-list operations. None when a piece is not plainly valid; the exact reader
-    then decides."""
+    with whole-list operations, and the sizes of each digest checked over all pieces at the
+    end. None when something is not plainly valid; the exact reader then decides."""
     pos = len(_HEAD)
     end = len(data) - len(_TAIL) + 1
     sizes: dict[bytes, int] = {}
@@ -268,6 +271,9 @@ def _scan_pieces(
     prefixes: set[bytes] = set()
     folders: set[bytes] = {b""}
     batch: list[RawFile] = []
+    # Every file's digest (raw) and size, in manifest order, made into `sizes` in one pass.
+    file_digests: list[bytes] = []
+    file_sizes: list[int] = []
     previous = b""
     count = 0
     unhex = binascii.a2b_hex
@@ -304,13 +310,8 @@ def _scan_pieces(
         if max(numbers) > MAX_SIZE:
             return None
         digests = list(map(_DIGEST_OF, found))
-        raw = list(map(unhex, digests))
-        piece = dict(zip(raw, numbers, strict=True))
-        if len(piece) < len(found) and any(map(operator.ne, map(piece.__getitem__, raw), numbers)):
-            return None
-        if any(sizes[d] != piece[d] for d in piece.keys() & sizes.keys()):
-            return None
-        sizes.update(piece)
+        file_digests.extend(map(unhex, digests))
+        file_sizes.extend(numbers)
         if sink is not None:
             modes = map(_MODES.__getitem__, map(_MODE_OF, found))
             batch.extend(zip(keys, numbers, modes, digests, strict=True))
@@ -320,6 +321,12 @@ def _scan_pieces(
         count += len(found)
         previous = keys[-1]
         pos = stop
+    sizes.update(zip(file_digests, file_sizes, strict=True))
+    # A digest listed with two sizes keeps the last: some file's size then differs from it.
+    if len(sizes) < count and any(
+        map(operator.ne, map(sizes.__getitem__, file_digests), file_sizes)
+    ):
+        return None
     if batch and sink is not None:
         sink(batch)
     return Summary(count, sizes)
@@ -329,7 +336,7 @@ def _piece_keys(raw_paths: list[bytes]) -> list[bytes] | None:
     """A piece's paths as UTF-8 bytes, each that might break a rule of check_path checked by
     it; None at the first that does. The paths are looked at together first, joined by a NUL
     (which a path in the manifest's bytes cannot hold): most pieces have nothing to check."""
-    joined = b"\0" + b"\0".join(raw_paths) + b"\0"
+    joined = (b"\0" + b"\0".join(raw_paths) + b"\0").translate(_SLASH_TO_NUL)
     if max(map(len, raw_paths)) <= MAX_NAME_BYTES and all(
         joined.find(needle) < 0 for needle in _JOINED_SUSPECTS
     ):
