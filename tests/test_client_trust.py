@@ -196,6 +196,6 @@ def test_a_vault_key_other_than_the_configured_or_trusted_one_is_refused(
     server.key_path.unlink()
     server.restart()
     assert str(server.signing_key().verifier()) != real
-    label = Verifier.from_string(real).key_label
+    label = Verifier.from_string(real).label
     line = server.run("lookup", blob, state_home=pinned).error_line()
     assert f"checkpoint is not signed by key {label}" in line

@@ -68,7 +68,7 @@ def test_pin_appends_nothing_when_the_vault_key_is_not_the_one_trusted(
     server.restart()
     assert str(server.signing_key().verifier()) != real
     line = server.run("pin", "dataset", blob, state_home=pinned).error_line()
-    assert f"checkpoint is not signed by key {Verifier.from_string(real).key_label}" in line
+    assert f"checkpoint is not signed by key {Verifier.from_string(real).label}" in line
     assert ledger_size(server) == size
 
 

@@ -11,7 +11,7 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import ClassVar, Final, Self
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -32,11 +32,11 @@ _KEY_ID = re.compile(r"[0-9a-fA-F]{8}")
 _DECIMAL = re.compile(r"0|[1-9][0-9]*")
 
 
-def _b64encode(data: bytes) -> str:
+def b64encode(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def _b64decode(text: str) -> bytes:
+def b64decode(text: str) -> bytes:
     """Standard base64 with padding, refusing any other character (Go's StdEncoding)."""
     if not text.isascii():
         raise ValueError("not base64")
@@ -53,10 +53,6 @@ def is_valid_name(name: str) -> bool:
         and "+" not in name
         and not any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in name)
     )
-
-
-def _key_id(name: str, public_key: bytes) -> bytes:
-    return hashlib.sha256(name.encode() + b"\n" + bytes([ALG_ED25519]) + public_key).digest()[:4]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +81,7 @@ class Checkpoint:
 
     def body(self) -> str:
         """The note text: origin, size, base64 root and any extension lines, each ending `\\n`."""
-        lines = [self.origin, str(self.size), _b64encode(self.root), *self.extensions]
+        lines = [self.origin, str(self.size), b64encode(self.root), *self.extensions]
         return "".join(line + "\n" for line in lines)
 
     @classmethod
@@ -107,10 +103,10 @@ class Checkpoint:
                 f"without leading zeros, at most {MAX_TREE_SIZE}"
             )
         try:
-            root = _b64decode(root_line)
+            root = b64decode(root_line)
         except ValueError:
             root = b""
-        if len(root) != HASH_SIZE or _b64encode(root) != root_line:
+        if len(root) != HASH_SIZE or b64encode(root) != root_line:
             raise VerificationError(
                 f"malformed checkpoint: root line {root_line[:60]!r} is not the base64 of a "
                 f"{HASH_SIZE}-byte hash"
@@ -123,22 +119,42 @@ class Checkpoint:
             raise VerificationError(f"malformed checkpoint: {exc}") from None
 
 
-class Verifier:
-    """Verifies checkpoints signed by one Ed25519 note key, named as in Go's note package."""
+class NoteKey:
+    """An Ed25519 public key named as c2sp.org/signed-note names keys,
+    `<name>+<hex8 key id>+<base64(algorithm byte || key)>`, where the key id is the first 4
+    bytes of SHA-256(name || '\\n' || algorithm byte || key). Subclasses set the algorithm."""
+
+    ALGORITHM: ClassVar[int]
+    # How messages call the key, and its name.
+    WHAT: ClassVar[str] = "verifier key"
+    NAME: ClassVar[str] = "key"
 
     __slots__ = ("_key", "_key_id", "_name", "_public")
 
     def __init__(self, name: str, public_key: bytes) -> None:
         if not is_valid_name(name):
             raise InvalidArgument(
-                f"bad key name {name!r}: it must be non-empty, without spaces or '+'"
+                f"bad {self.NAME} name {name!r}: it must be non-empty, without spaces or '+'"
             )
         if len(public_key) != 32:
             raise InvalidArgument(f"an Ed25519 public key is 32 bytes, found {len(public_key)}")
         self._name = name
         self._public = bytes(public_key)
         self._key = Ed25519PublicKey.from_public_bytes(self._public)
-        self._key_id = _key_id(name, self._public)
+        self._key_id = hashlib.sha256(
+            name.encode() + b"\n" + bytes([self.ALGORITHM]) + self._public
+        ).digest()[:4]
+
+    @classmethod
+    def _checked(cls, vkey: str, name: str, key_id_hex: str, public_key: bytes) -> Self:
+        """The key `vkey` spells, once the key id it names is the key's own."""
+        key = cls(name, public_key)
+        if key.key_id.hex() != key_id_hex.lower():
+            raise InvalidArgument(
+                f"{cls.WHAT} {vkey[:80]!r} names key id {key_id_hex}, but its key has id "
+                f"{key.key_id.hex()}: the key string is corrupt"
+            )
+        return key
 
     @property
     def name(self) -> str:
@@ -152,6 +168,33 @@ class Verifier:
     def public_key(self) -> bytes:
         return self._public
 
+    @property
+    def label(self) -> str:
+        """`<name>+<hex key id>`, how messages name this key."""
+        return f"{self._name}+{self._key_id.hex()}"
+
+    def __str__(self) -> str:
+        return f"{self.label}+{b64encode(bytes([self.ALGORITHM]) + self._public)}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        assert isinstance(other, NoteKey)
+        return (self._name, self._public) == (other._name, other._public)
+
+    def __hash__(self) -> int:
+        return hash((self._name, self._public))
+
+
+class Verifier(NoteKey):
+    """Verifies checkpoints signed by one Ed25519 note key, named as in Go's note package."""
+
+    ALGORITHM = ALG_ED25519
+    __slots__ = ()
+
     @classmethod
     def from_string(cls, vkey: str) -> Verifier:
         """Parse a verifier key `<name>+<hex8 key id>+<base64(0x01 || public key)>`."""
@@ -162,7 +205,7 @@ class Verifier:
                 f"malformed verifier key {vkey[:80]!r}: expected <name>+<8 hex digits>+<base64 key>"
             )
         try:
-            key = _b64decode(key_b64)
+            key = b64decode(key_b64)
         except ValueError:
             raise InvalidArgument(
                 f"malformed verifier key {vkey[:80]!r}: the key is not base64"
@@ -172,33 +215,7 @@ class Verifier:
                 f"malformed verifier key {vkey[:80]!r}: expected an Ed25519 key "
                 "(algorithm byte 0x01 and 32 bytes)"
             )
-        verifier = cls(name, key[1:])
-        if verifier.key_id.hex() != key_id_hex.lower():
-            raise InvalidArgument(
-                f"verifier key {vkey[:80]!r} names key id {key_id_hex}, but its key has id "
-                f"{verifier.key_id.hex()}: the key string is corrupt"
-            )
-        return verifier
-
-    def __str__(self) -> str:
-        encoded = _b64encode(bytes([ALG_ED25519]) + self._public)
-        return f"{self._name}+{self._key_id.hex()}+{encoded}"
-
-    def __repr__(self) -> str:
-        return f"Verifier({str(self)!r})"
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Verifier):
-            return NotImplemented
-        return (self._name, self._public) == (other._name, other._public)
-
-    def __hash__(self) -> int:
-        return hash((self._name, self._public))
-
-    @property
-    def key_label(self) -> str:
-        """`<name>+<hex key id>`, how messages name this key."""
-        return f"{self._name}+{self._key_id.hex()}"
+        return cls._checked(vkey, name, key_id_hex, key[1:])
 
     def open_note(self, note: str) -> str:
         """Verify a signed note and return its text (the signed part, with its final newline).
@@ -245,7 +262,7 @@ class Verifier:
                 )
             name, _, sig_b64 = line[len(_SIGNATURE_PREFIX) :].partition(" ")
             try:
-                sig = _b64decode(sig_b64)
+                sig = b64decode(sig_b64)
             except ValueError:
                 sig = b""
             if not is_valid_name(name) or len(sig) < 5:
@@ -259,20 +276,20 @@ class Verifier:
                 continue
             if len(signature) != 64:
                 raise VerificationError(
-                    f"signature by key {self.key_label} is {len(signature)} bytes, not 64: "
+                    f"signature by key {self.label} is {len(signature)} bytes, not 64: "
                     "the note was truncated or altered"
                 )
             try:
                 self._key.verify(signature, message)
             except InvalidSignature:
                 raise VerificationError(
-                    f"signature by key {self.key_label} does not verify: the checkpoint text "
+                    f"signature by key {self.label} does not verify: the checkpoint text "
                     "or the signature was altered"
                 ) from None
             verified = True
         if not verified:
             found = f" (signed only by {', '.join(others)})" if others else ""
-            raise VerificationError(f"checkpoint is not signed by key {self.key_label}{found}")
+            raise VerificationError(f"checkpoint is not signed by key {self.label}{found}")
         return text
 
     def open(self, note: str) -> Checkpoint:
@@ -309,7 +326,7 @@ class SigningKey:
         if not (sep1 and sep2) or not _KEY_ID.fullmatch(key_id_hex):
             raise InvalidArgument(malformed)
         try:
-            key = _b64decode(key_b64)
+            key = b64decode(key_b64)
         except ValueError:
             raise InvalidArgument(f"{malformed} (the key is not base64)") from None
         if len(key) != 33 or key[0] != ALG_ED25519:
@@ -323,7 +340,7 @@ class SigningKey:
         return signing_key
 
     def __str__(self) -> str:
-        encoded = _b64encode(bytes([ALG_ED25519]) + self._seed)
+        encoded = b64encode(bytes([ALG_ED25519]) + self._seed)
         return f"{_PRIVATE_KEY_PREFIX}{self._name}+{self.key_id.hex()}+{encoded}"
 
     def __repr__(self) -> str:
@@ -382,7 +399,7 @@ class SigningKey:
         if not text.endswith("\n"):
             raise ValueError("a note text must end with a newline")
         signature = self._key.sign(text.encode("utf-8"))
-        return f"{text}\n{_SIGNATURE_PREFIX}{self._name} {_b64encode(self.key_id + signature)}\n"
+        return f"{text}\n{_SIGNATURE_PREFIX}{self._name} {b64encode(self.key_id + signature)}\n"
 
     def sign(self, checkpoint: Checkpoint) -> str:
         """The checkpoint as a signed note: body, blank line, `— <name> <base64 signature>`."""

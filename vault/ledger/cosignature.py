@@ -4,8 +4,6 @@ named witnesses must have cosigned a checkpoint before it is believed. No I/O he
 
 from __future__ import annotations
 
-import binascii
-import hashlib
 import re
 import struct
 from collections.abc import Iterable, Sequence
@@ -13,10 +11,17 @@ from dataclasses import dataclass
 from typing import Final
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from vault.errors import InvalidArgument, VerificationError
-from vault.ledger.checkpoint import MAX_NOTE_BYTES, Checkpoint, is_valid_name
+from vault.ledger.checkpoint import (
+    ALG_ED25519,
+    MAX_NOTE_BYTES,
+    Checkpoint,
+    NoteKey,
+    b64decode,
+    b64encode,
+    is_valid_name,
+)
 
 ALG_COSIGNATURE_V1: Final = 0x04
 # A cosignature/v1 signature: an 8-byte big-endian timestamp, then the Ed25519 signature.
@@ -30,44 +35,18 @@ _KEY_ID = re.compile(r"[0-9a-fA-F]{8}")
 _SEPARATORS = re.compile(r"[\s,]+")
 
 
-def _b64decode(text: str) -> bytes:
-    """Standard base64 with padding, nothing else (Go's StdEncoding)."""
-    if not text.isascii():
-        raise ValueError("not base64")
-    try:
-        return binascii.a2b_base64(text, strict_mode=True)
-    except binascii.Error as exc:
-        raise ValueError(f"not base64: {exc}") from None
-
-
-def _b64encode(data: bytes) -> str:
-    return binascii.b2a_base64(data, newline=False).decode("ascii")
-
-
 def cosigned_message(timestamp: int, body: str) -> bytes:
     """What a witness signs: the cosignature/v1 header, then the checkpoint's note text."""
     return f"cosignature/v1\ntime {timestamp}\n{body}".encode()
 
 
-class WitnessKey:
-    """A witness's cosignature/v1 verifier key, `<name>+<hex8 key id>+<base64(0x04 || key)>`,
-    where the key id is the first 4 bytes of SHA-256(name || '\\n' || 0x04 || key)."""
+class WitnessKey(NoteKey):
+    """A witness's cosignature/v1 verifier key, `<name>+<hex8 key id>+<base64(0x04 || key)>`."""
 
-    __slots__ = ("_key", "_key_id", "_name", "_public")
-
-    def __init__(self, name: str, public_key: bytes) -> None:
-        if not is_valid_name(name):
-            raise InvalidArgument(
-                f"bad witness name {name!r}: it must be non-empty, without spaces or '+'"
-            )
-        if len(public_key) != 32:
-            raise InvalidArgument(f"an Ed25519 public key is 32 bytes, found {len(public_key)}")
-        self._name = name
-        self._public = bytes(public_key)
-        self._key = Ed25519PublicKey.from_public_bytes(self._public)
-        self._key_id = hashlib.sha256(
-            name.encode() + b"\n" + bytes([ALG_COSIGNATURE_V1]) + self._public
-        ).digest()[:4]
+    ALGORITHM = ALG_COSIGNATURE_V1
+    WHAT = "witness key"
+    NAME = "witness"
+    __slots__ = ()
 
     @classmethod
     def from_string(cls, vkey: str) -> WitnessKey:
@@ -80,55 +59,17 @@ class WitnessKey:
         if not (sep1 and sep2) or not _KEY_ID.fullmatch(key_id_hex):
             raise InvalidArgument(malformed)
         try:
-            key = _b64decode(key_b64)
+            key = b64decode(key_b64)
         except ValueError:
             raise InvalidArgument(f"{malformed} (the key is not base64)") from None
-        if len(key) == 33 and key[0] == 0x01:
+        if len(key) == 33 and key[0] == ALG_ED25519:
             raise InvalidArgument(
                 f"{vkey[:80]!r} is a checkpoint signing key's verifier (algorithm 0x01), not a "
                 "witness's cosignature/v1 key (algorithm 0x04)"
             )
         if len(key) != 33 or key[0] != ALG_COSIGNATURE_V1:
             raise InvalidArgument(malformed)
-        witness = cls(name, key[1:])
-        if witness.key_id.hex() != key_id_hex.lower():
-            raise InvalidArgument(
-                f"witness key {vkey[:80]!r} names key id {key_id_hex}, but its key has id "
-                f"{witness.key_id.hex()}: the key string is corrupt"
-            )
-        return witness
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def key_id(self) -> bytes:
-        return self._key_id
-
-    @property
-    def public_key(self) -> bytes:
-        return self._public
-
-    @property
-    def label(self) -> str:
-        """`<name>+<hex key id>`, how messages name this witness."""
-        return f"{self._name}+{self._key_id.hex()}"
-
-    def __str__(self) -> str:
-        encoded = _b64encode(bytes([ALG_COSIGNATURE_V1]) + self._public)
-        return f"{self.label}+{encoded}"
-
-    def __repr__(self) -> str:
-        return f"WitnessKey({str(self)!r})"
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, WitnessKey):
-            return NotImplemented
-        return (self._name, self._public) == (other._name, other._public)
-
-    def __hash__(self) -> int:
-        return hash((self._name, self._public))
+        return cls._checked(vkey, name, key_id_hex, key[1:])
 
     def signs(self, name: str, key_id: bytes) -> bool:
         """Whether a signature line naming `name` with `key_id` claims to be by this key."""
@@ -150,7 +91,7 @@ class WitnessKey:
                 f"cosignature by witness {self.label} does not verify: the checkpoint or the "
                 "cosignature was altered"
             ) from None
-        line = f"{_SIGNATURE_PREFIX}{self._name} {_b64encode(self._key_id + signature)}\n"
+        line = f"{_SIGNATURE_PREFIX}{self._name} {b64encode(self._key_id + signature)}\n"
         return Cosignature(self, timestamp, line)
 
 
@@ -171,7 +112,7 @@ def signature_line(line: str) -> tuple[str, bytes, bytes]:
         raise VerificationError(f"malformed signature line {line[:60]!r}: it must start with '— '")
     name, _, encoded = line[len(_SIGNATURE_PREFIX) :].partition(" ")
     try:
-        raw = _b64decode(encoded)
+        raw = b64decode(encoded)
     except ValueError:
         raw = b""
     if not is_valid_name(name) or len(raw) < 5:
