@@ -55,6 +55,21 @@ def is_valid_name(name: str) -> bool:
     )
 
 
+def signature_line(line: str) -> tuple[str, bytes, bytes] | None:
+    """A note's signature line `— <name> <base64(key id || signature)>` (without its newline):
+    the name, the key id and the signature; None if it is not one."""
+    if not line.startswith(_SIGNATURE_PREFIX):
+        return None
+    name, _, encoded = line[len(_SIGNATURE_PREFIX) :].partition(" ")
+    try:
+        raw = b64decode(encoded)
+    except ValueError:
+        return None
+    if not is_valid_name(name) or len(raw) < 5:
+        return None
+    return name, raw[:4], raw[4:]
+
+
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
     """A signed tree head: the ledger named `origin` had `size` entries with Merkle root `root`."""
@@ -260,17 +275,13 @@ class Verifier(NoteKey):
                 raise VerificationError(
                     f"malformed note: signature line {number} does not start with '— '"
                 )
-            name, _, sig_b64 = line[len(_SIGNATURE_PREFIX) :].partition(" ")
-            try:
-                sig = b64decode(sig_b64)
-            except ValueError:
-                sig = b""
-            if not is_valid_name(name) or len(sig) < 5:
+            parsed = signature_line(line)
+            if parsed is None:
                 raise VerificationError(
                     f"malformed note: signature line {number} is not "
                     "'— <key name> <base64 key id and signature>'"
                 )
-            key_id, signature = sig[:4], sig[4:]
+            name, key_id, signature = parsed
             if name != self._name or key_id != self._key_id:
                 others.append(f"{name}+{key_id.hex()}")
                 continue

@@ -20,7 +20,7 @@ from vault.ledger.checkpoint import (
     NoteKey,
     b64decode,
     b64encode,
-    is_valid_name,
+    signature_line,
 )
 
 ALG_COSIGNATURE_V1: Final = 0x04
@@ -105,23 +105,6 @@ class Cosignature:
     line: str
 
 
-def signature_line(line: str) -> tuple[str, bytes, bytes]:
-    """A note's signature line `— <name> <base64(key id || signature)>` (without its newline):
-    the name, the key id and the signature. VerificationError if it is not one."""
-    if not line.startswith(_SIGNATURE_PREFIX):
-        raise VerificationError(f"malformed signature line {line[:60]!r}: it must start with '— '")
-    name, _, encoded = line[len(_SIGNATURE_PREFIX) :].partition(" ")
-    try:
-        raw = b64decode(encoded)
-    except ValueError:
-        raw = b""
-    if not is_valid_name(name) or len(raw) < 5:
-        raise VerificationError(
-            f"malformed signature line {line[:60]!r}: expected '— <key name> <base64>'"
-        )
-    return name, raw[:4], raw[4:]
-
-
 def split_note(note: str) -> tuple[str, list[str]]:
     """A signed note's text (ending in its newline) and its signature lines."""
     if len(note) > MAX_NOTE_BYTES:
@@ -144,7 +127,12 @@ def cosignatures(
     wanted = list(witnesses)
     found: dict[WitnessKey, Cosignature] = {}
     for line in lines:
-        name, key_id, signature = signature_line(line)
+        parsed = signature_line(line)
+        if parsed is None:
+            raise VerificationError(
+                f"malformed signature line {line[:60]!r}: expected '— <key name> <base64>'"
+            )
+        name, key_id, signature = parsed
         for witness in wanted:
             if witness.signs(name, key_id):
                 found.setdefault(witness, witness.verify(body, signature))
