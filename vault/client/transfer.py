@@ -41,6 +41,31 @@ BATCH_BLOB: Final = 4 << 20
 BATCH_MESSAGE: Final = 4 << 20
 
 
+class _CommitGate:
+    """The commit of a client-streaming put is sent only once the thread that called the put
+    lets it. gRPC reads the requests on a thread of its own, which may reach the end of the
+    source (a pipe whose writer was stopped by the same Ctrl-C) before the calling thread has
+    run its interrupt; the commit waits for that thread, so an interrupt raised there stops it."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self._go = threading.Event()
+        self._stopped = False
+
+    def passes(self) -> bool:
+        """On the requests' thread, at the commit: whether to send it."""
+        self.ready.set()
+        self._go.wait()
+        return not self._stopped
+
+    def open(self) -> None:
+        self._go.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._go.set()
+
+
 class Transfer:
     """The work behind VaultClient's put, put_many, open and get (documented there): the Store
     stub and timeout they call with, and the server's handoff desk, asked for once."""
@@ -69,7 +94,7 @@ class Transfer:
             raise InvalidArgument("only a file named by its path can be handed off")
         local = blake3.blake3()
 
-        def requests(stream: IO[bytes]) -> Iterator[pb.PutRequest]:
+        def requests(stream: IO[bytes], gate: _CommitGate) -> Iterator[pb.PutRequest]:
             yield pb.PutRequest(header=pb.PutHeader(expected_digest=expected or ""))
             size = 0
             while data := stream.read(PUT_CHUNK):
@@ -80,20 +105,27 @@ class Transfer:
                 yield pb.PutRequest(data=data)
             # Only a source read to its end commits the blob; a put stopped before stores nothing.
             meant = expected or f"blake3:{local.hexdigest()}"
-            yield pb.PutRequest(commit=pb.PutCommit(size=size, digest=meant))
+            if gate.passes():
+                yield pb.PutRequest(commit=pb.PutCommit(size=size, digest=meant))
 
         with _open_source(source) as stream:
-            response = self._call(self._store.Put, requests(stream))
+            response = self._call(self._store.Put, lambda gate: requests(stream, gate))
         return _stored(response, local.digest())
 
-    def _call(self, method: Any, requests: Iterator[Any]) -> Any:
-        """A client-streaming call that an interrupt (Ctrl-C, or SIGTERM raised as one) cancels
-        at once, before the request stream can reach its commit."""
+    def _call(self, method: Any, requests: Callable[[_CommitGate], Iterator[Any]]) -> Any:
+        """A client-streaming call that an interrupt (Ctrl-C, or SIGTERM raised as one) in the
+        calling thread cancels at once, and whose commit that thread lets through: an interrupt
+        never lets a commit out, whenever the requests' thread reached it."""
+        gate = _CommitGate()
         with rpc_errors():
-            call = method.future(requests, timeout=self._timeout)
+            call = method.future(requests(gate), timeout=self._timeout)
+            call.add_done_callback(lambda _: gate.ready.set())
             try:
+                gate.ready.wait()
+                gate.open()
                 return call.result()
             except BaseException:
+                gate.stop()
                 call.cancel()
                 raise
 
@@ -121,17 +153,18 @@ class Transfer:
             # commit follows once it is hashed.
             local = _FileHash(fd, size)
 
-            def requests() -> Iterator[pb.PutRequest]:
+            def requests(gate: _CommitGate) -> Iterator[pb.PutRequest]:
                 yield pb.PutRequest(
                     header=pb.PutHeader(
                         expected_digest=expected or "", handoff=ticket, handoff_size=size
                     )
                 )
                 meant = expected or f"blake3:{local.digest().hex()}"
-                yield pb.PutRequest(commit=pb.PutCommit(size=size, digest=meant))
+                if gate.passes():
+                    yield pb.PutRequest(commit=pb.PutCommit(size=size, digest=meant))
 
             try:
-                response = self._call(self._store.Put, requests())
+                response = self._call(self._store.Put, requests)
             finally:
                 sent = local.digest()
         finally:
@@ -172,7 +205,7 @@ class Transfer:
         sent: list[tuple[bytes | None, int]] = []
         failed: list[BaseException] = []
 
-        def requests() -> Iterator[pb.PutBatchRequest]:
+        def requests(gate: _CommitGate) -> Iterator[pb.PutBatchRequest]:
             try:
                 blobs: list[pb.PutBatchBlob] = []
                 size = 0
@@ -187,13 +220,14 @@ class Transfer:
                     size += len(data)
                 # The last message commits the batch: one stopped before stores none of it.
                 commit = pb.PutBatchCommit(blobs=len(sent), bytes=sum(n for _, n in sent))
-                yield pb.PutBatchRequest(blobs=blobs, commit=commit)
+                if gate.passes():
+                    yield pb.PutBatchRequest(blobs=blobs, commit=commit)
             except BaseException as exc:  # gRPC reports it only as a cancelled call
                 failed.append(exc)
                 raise
 
         try:
-            response = self._call(self._store.PutBatch, requests())
+            response = self._call(self._store.PutBatch, requests)
         except VaultError:
             if failed:
                 raise failed[0] from None
