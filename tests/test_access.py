@@ -6,6 +6,7 @@ embedded default, asks for nothing but serves only loopback or a Unix socket."""
 from __future__ import annotations
 
 import hashlib
+import stat
 from pathlib import Path
 
 import grpc
@@ -131,6 +132,23 @@ def test_an_entry_carries_the_authenticated_identity(vault: Vault) -> None:
     digest = str(claiming.put(b"model").blob.sha256)
     assert claiming.pin("artefact", digest).entry.author == "alice"
     assert vault.admin.lookup(digest)[0].entry.author == "alice"
+
+
+def test_the_first_admin_token_is_made_before_the_vault_ever_ran(
+    clean_environment: None, tmp_path: Path
+) -> None:
+    # An operator's first steps on a new host: the administrator's token, then `vault serve`.
+    server = VaultServer(tmp_path / "new", env=CREDENTIALS)
+    assert not server.data_dir.exists()
+    secret = first_admin_token(server)
+    assert stat.S_IMODE(server.data_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((server.data_dir / "vault.db").stat().st_mode) == 0o600
+    with server:
+        admin = VaultClient(server.address, credentials=Credentials(token=secret), timeout=60)
+        with admin:
+            (root,) = admin.list_tokens()
+            assert (root.name, root.team, root.role) == ("root", "ops", "admin")
+            admin.put(b"the first blob of a new vault")
 
 
 def test_a_revoked_token_is_refused(vault: Vault) -> None:

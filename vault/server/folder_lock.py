@@ -1,4 +1,5 @@
-"""What `vault serve` claims in its data folder before it touches anything else there.
+"""What `vault serve` claims in its data folder before it touches anything else there, and the
+folder itself, private to the vault's user.
 
 One server per folder: it holds an exclusive lock on a file in the folder for as long as it
 runs, with its process id written in it, so that a second server on the same folder refuses to
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
-from vault.errors import FailedPrecondition
+from vault.errors import FailedPrecondition, InvalidArgument
 from vault.files import size_text
 
 LOCK_FILE: Final = "serve.lock"
@@ -94,3 +95,15 @@ def _keep_reserve(path: Path) -> None:
             os.close(fd)
     except OSError as exc:
         log.warning("cannot hold back room to start on a full disk in %s: %s", path, exc)
+
+
+def make_data_folder(path: Path) -> None:
+    """The data folder, private to the vault's user: everything the server creates from here
+    on is too (`serve` sets the umask to 077 first), whatever the umask it started with."""
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        os.chmod(path, 0o700)
+    except OSError as exc:
+        raise InvalidArgument(
+            f"cannot make the data folder {path} private (mode 0700): {exc.strerror}"
+        ) from None

@@ -25,7 +25,7 @@ from vault.server.assembly import open_content_store
 from vault.server.auth import MODES, Gate
 from vault.server.content import Content
 from vault.server.database import open_ledger_database
-from vault.server.folder_lock import only_server
+from vault.server.folder_lock import make_data_folder, only_server
 from vault.server.gatekeeper import Gatekeeper, Limits
 from vault.server.metrics import ScrubWatch, Sources, serve_metrics
 from vault.server.service import build_server
@@ -130,18 +130,6 @@ def check_access(config: Config, listen: str) -> None:
         "on the network path can read and replay every bearer token",
         listen,
     )
-
-
-def make_data_folder(path: Path) -> None:
-    """The data folder, private to the vault's user: everything the server creates from here
-    on is too (`serve` sets the umask to 077 first), whatever the umask it started with."""
-    path.mkdir(parents=True, exist_ok=True)
-    try:
-        os.chmod(path, 0o700)
-    except OSError as exc:
-        raise InvalidArgument(
-            f"cannot make the data folder {path} private (mode 0700): {exc.strerror}"
-        ) from None
 
 
 def open_desk(config: Config) -> Desk | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
 import threading
 import time
@@ -18,6 +19,7 @@ from vault.errors import NotFound, QuotaExceeded, Unauthenticated
 from vault.ledger.db import Database, Writer
 from vault.server.auth import TOKEN_PREFIX, Identity
 from vault.server.database import open_ledger_database
+from vault.server.folder_lock import make_data_folder
 
 # A revocation reaches every server within this many seconds.
 TOKEN_CACHE_SECONDS: Final = 5.0
@@ -150,8 +152,16 @@ class TokenStore:
 
 def create_offline(config: Config, *, name: str, team: str, role: str) -> tuple[TokenInfo, str]:
     """A new token written straight into the vault's database, no server asked: the first
-    administrator's (`vault token create --offline`, on the vault's host)."""
-    db = open_ledger_database(config)
+    administrator's (`vault token create --offline`, on the vault's host). On a host where the
+    vault has not yet run, it makes the private data folder and the database that `vault serve`
+    then starts from."""
+    # As `vault serve` does: the database and its journals are for the vault's user only.
+    umask = os.umask(0o077)
+    try:
+        make_data_folder(config.data_path)
+        db = open_ledger_database(config)
+    finally:
+        os.umask(umask)
     store = TokenStore(db)
     try:
         return store.create(name=name, team=team, role=role)
