@@ -12,6 +12,7 @@ is refused."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -612,9 +613,29 @@ def lab(vault: VaultServer, cluster: SlurmCluster, tmp_path_factory: pytest.Temp
     return Lab(vault, cluster, tmp_path_factory.mktemp("lab"))
 
 
+def test_vault_run_says_an_external_image_was_recorded_and_not_fetched(lab: Lab) -> None:
+    # An image kept in a registry is pinned --external: the vault holds no bytes of it, so
+    # `vault run` must not claim to have verified it.
+    elsewhere = "sha256:" + hashlib.sha256(b"an image only a registry holds").hexdigest()
+    lab.vault.run("pin", "image", elsewhere, "--external").ok()
+    status, stdout, stderr = lab.vault_command(
+        "run", "--image", elsewhere, "--dataset", lab.dataset, "--seed", "7",
+        "--team", "vision", "--", str(lab.script),
+    )  # fmt: skip
+    assert status == 0, stderr
+    assert "✓ image pinned, external: recorded, not fetched" in stdout, stdout
+    assert "image pinned, proof verified" not in stdout
+    assert "✓ dataset pinned, proof verified" in stdout, stdout
+    lab.finished(stdout)
+
+
 def test_vault_run_pins_submits_and_the_job_publishes_its_manifest(lab: Lab) -> None:
     stdout = lab.run_job("0xC0FFEE")
-    for step in ("✓ image verified", "✓ dataset hash matched", "✓ pin vault entry created"):
+    for step in (
+        "✓ image pinned, proof verified",
+        "✓ dataset pinned, proof verified",
+        "✓ pin vault entry created",
+    ):
         assert step in stdout, stdout
     run_id = re.search(r"→ run id\s+(sha256:\S+)", stdout).group(1)  # type: ignore[union-attr]
 
