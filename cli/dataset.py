@@ -12,6 +12,7 @@ from typing import Any
 
 from cli.output import print_json as _print_json
 from cli.output import shown
+from cli.progress import Progress
 from vault.client import VaultClient
 from vault.config import Config
 from vault.digest import Digest
@@ -88,6 +89,7 @@ def _add(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
     if name and args.name and name != args.name:
         raise InvalidArgument(f"two names given: {name!r} and --name {args.name!r}")
     cache = None if args.rehash else HashCache(default_path())
+    bar = Progress(f"dataset add {folder}", None)
     try:
         with connect(config) as client:
             result = add_dataset(
@@ -97,8 +99,10 @@ def _add(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
                 tag=args.tag,
                 exclude=args.exclude,
                 cache=cache,
+                progress=bar,
             )
     finally:
+        bar.close()
         if cache is not None:
             cache.close()
     entry = result.pin.entry
@@ -165,7 +169,11 @@ def _show(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
 def _checkout(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
     with connect(config) as client:
         digest = str(Digest.parse(resolve_input(client, args.digest, author=args.author)))
-        manifest = checkout_dataset(client, digest, Path(args.folder))
+        bar = Progress(f"dataset checkout {args.folder}", None)
+        try:
+            manifest = checkout_dataset(client, digest, Path(args.folder), progress=bar)
+        finally:
+            bar.close()
     if args.json:
         _print_json(
             {

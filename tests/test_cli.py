@@ -9,12 +9,10 @@ import getpass
 import hashlib
 import json
 import os
-import pty
 import random
 import re
 import socket
 import subprocess
-import threading
 import time
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
@@ -27,7 +25,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from tests.services.vault_server import VAULT_COMMAND, VaultServer, command_env
+from tests.services.vault_server import VaultServer, command_env
+from tests.terminal import run_on_terminal
 from vault.errors import IntegrityError, VerificationError
 from vault.ledger.checkpoint import Verifier
 from vault.ledger.entry import KINDS, Entry
@@ -716,41 +715,10 @@ def test_verify_passes_on_a_good_ledger_and_checks_every_pinned_blob(
     assert f"blobs: {len(pinned)} pinned blobs checked, 0 failed" in run.stdout
 
 
-def read_terminal(terminal: int) -> str:
-    """Everything written to a pseudo-terminal whose other side is closed."""
-    shown = b""
-    try:
-        while data := os.read(terminal, 4096):
-            shown += data
-    except OSError:  # EIO: the other side is closed and everything was read
-        pass
-    finally:
-        os.close(terminal)
-    return shown.decode(errors="replace")
-
-
 def test_verify_reports_progress_on_a_terminal(vault_server: VaultServer, tmp_path: Path) -> None:
     size = ledger_size(vault_server)
     env = command_env(state_home=tmp_path, extra={"PINVAULT_CLIENT_SERVER": vault_server.address})
-    terminal, child_side = pty.openpty()
-    shown: list[str] = []
-    # Read while the command runs, so that it never waits on a full terminal buffer.
-    reader = threading.Thread(target=lambda: shown.append(read_terminal(terminal)))
-    reader.start()
-    try:
-        result = subprocess.run(
-            [*VAULT_COMMAND, "verify", "--blobs"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=child_side,
-            env=env,
-            timeout=60,
-            check=False,
-        )
-    finally:
-        os.close(child_side)
-        reader.join(30)
-    (text,) = shown
+    result, text = run_on_terminal(["verify", "--blobs"], env)
     assert result.returncode == 0, text
     assert re.search(rf"verify ledger .*\b{size:,} entries", text), text
     assert "verify blobs" in text, text

@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 
 from tests.conftest import StartVault
-from tests.services.vault_server import VaultServer
+from tests.services.vault_server import VaultServer, command_env
+from tests.terminal import run_on_terminal
 from vault.errors import FailedPrecondition, InvalidArgument
+from vault.files import size_text
 from vault.runs import dataset
 from vault.runs.dataset import add_dataset
 from vault.store.hashcache import RACY, HashCache
@@ -427,3 +429,29 @@ def test_admission_refuses_the_manifests_checkout_would_refuse(
             FailedPrecondition, match="is not a dataset manifest: .*" + re.escape(problem)
         ):
             client.admit(image=image, dataset=digest, seed=1)
+
+
+def test_add_and_checkout_show_their_progress_on_a_terminal_and_print_only_results(
+    vault_server: VaultServer, tmp_path: Path
+) -> None:
+    source = tmp_path / "source"
+    (source / "shards").mkdir(parents=True)
+    (source / "labels.csv").write_text("id,label\n1,cat\n")
+    # A large file goes its own way (hashed in the first pass, sent after): counted too.
+    (source / "shards" / "big.bin").write_bytes(os.urandom(dataset.SMALL_FILE + 1))
+    total = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
+    env = command_env(
+        state_home=tmp_path / "state", extra={"PINVAULT_CLIENT_SERVER": vault_server.address}
+    )
+    added, shown = run_on_terminal(["dataset", "add", str(source), "--rehash"], env)
+    assert added.returncode == 0, shown
+    (digest,) = added.stdout.decode().split()
+    assert re.search(r"dataset add \S*source \[█{30}\] 100\.0%", shown), shown
+    # Each large file lacking from the store is counted again as it is sent.
+    assert f"{size_text(total + dataset.SMALL_FILE + 1)}" in shown, shown
+
+    target = tmp_path / "target"
+    out, shown = run_on_terminal(["dataset", "checkout", digest, str(target)], env)
+    assert out.returncode == 0, shown
+    assert out.stdout.decode() == f"2 files, {total} bytes in {target}\n"
+    assert re.search(rf"dataset checkout \S*target \[█{{30}}\] 100\.0% {size_text(total)}", shown)

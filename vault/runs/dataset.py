@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, Protocol
 
 from vault.client import ProvenEntry, VaultClient
 from vault.digest import Digest
@@ -50,6 +50,14 @@ HASH_THREADS: Final = 4
 
 
 # ---------------------------------------------------------------------- the local tree
+
+
+class Progress(Protocol):
+    """Whoever shows a long operation's progress (the command's bar, on a terminal)."""
+
+    def set(self, done: int, total: int | None = None) -> None: ...
+
+    def advance(self, n: int) -> None: ...
 
 
 def _tree_error(root: Path, path: Path, message: str) -> InvalidArgument:
@@ -185,6 +193,7 @@ def add_dataset(
     tag: str = "",
     exclude: Sequence[str] = (),
     cache: HashCache | None = None,
+    progress: Progress | None = None,
 ) -> AddResult:
     """Store the files of `root` the store lacks (leaving out what `exclude` and the folder's
     `.vaultignore` match), then the manifest, and pin the manifest under `name` (by default
@@ -195,11 +204,15 @@ def add_dataset(
     ones sent (put_many) from the same bytes, several batches at a time, so that reading and
     hashing here overlap with the vault storing. Large files are hashed in the same pass and
     sent one by one after. With a `cache` (vault/hashcache.py), a file unchanged since it was
-    last hashed is not read again unless the vault lacks it."""
+    last hashed is not read again unless the vault lacks it. `progress` is told the bytes
+    hashed, then those of large files sent."""
     name = check_name(name or root.resolve().name or "/")
     if tag:
         check_name(tag, "dataset tag")
     groups = _groups(_list_tree(root, IgnoreRules.load(root, exclude)))
+    total = sum(file.size for group in groups for file in group)
+    if progress:
+        progress.set(0, total)
     # The cache knows files by absolute path.
     where = os.path.abspath(root) + os.sep
     lock = threading.Lock()
@@ -254,6 +267,8 @@ def add_dataset(
             files += entries
             sent_files += count
             sent_bytes += size
+            if progress:
+                progress.advance(sum(entry.size for entry in entries))
 
     def send(f: FileEntry) -> int:
         # `expected` makes the vault refuse a file that changed after it was hashed.
@@ -261,8 +276,13 @@ def add_dataset(
         return f.size
 
     # Each large put is bound by bytes, but several in flight still overlap their syncs.
+    if progress and large:
+        progress.set(total, total + sum(f.size for f in large))
     with ThreadPoolExecutor(max_workers=PUTS_IN_FLIGHT) as pool:
-        sent_bytes += sum(pool.map(send, large))
+        for size in pool.map(send, large):
+            sent_bytes += size
+            if progress:
+                progress.advance(size)
     sent_files += len(large)
     manifest = build_manifest(files)
     data = encode_manifest(manifest)
@@ -323,13 +343,15 @@ def fetch_manifest(client: VaultClient, digest: str) -> Manifest:
     return decode_manifest(data)
 
 
-def checkout_dataset(client: VaultClient, digest: str, target: Path) -> Manifest:
+def checkout_dataset(
+    client: VaultClient, digest: str, target: Path, *, progress: Progress | None = None
+) -> Manifest:
     """Materialise a dataset in `target` (absent or an empty folder).
 
     The tree is built in a staging folder (next to an absent `target`, inside an empty one so
     that it is on the same file system even when `target` is a mount point) and moved into
     place only once every file was verified against its digest; on any failure the staging
-    folder is removed and `target` is left as it was."""
+    folder is removed and `target` is left as it was. `progress` is told the bytes written."""
     manifest = fetch_manifest(client, digest)
     target = Path(os.path.abspath(target))
     if target.is_symlink() or (target.exists() and not target.is_dir()):
@@ -344,8 +366,12 @@ def checkout_dataset(client: VaultClient, digest: str, target: Path) -> Manifest
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     with _staging(target if existing else target.parent, target.name) as staging:
+        if progress:
+            progress.set(0, manifest.size)
         for f in manifest.files:
             _materialise(client, f, staging)
+            if progress:
+                progress.advance(f.size)
         for f in manifest.files:
             os.chmod(staging / f.path, f.mode)
         for folder in sorted({(staging / f.path).parent for f in manifest.files} | {staging}):
