@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from cli.output import print_json
+from cli.progress import Progress
 from vault.config import Config, file_path
 from vault.errors import IntegrityError, Unavailable
 from vault.files import size_text
@@ -206,7 +207,11 @@ def _sync(args: argparse.Namespace, config: Config) -> int:
 def _repair(args: argparse.Namespace, config: Config) -> int:
     from vault.server import mirror_admin
 
-    report = mirror_admin.repair(config)
+    bar = Progress("mirror repair", None, unit="blobs")
+    try:
+        report = mirror_admin.repair(config, progress=lambda _: bar.advance(1))
+    finally:
+        bar.close()
     if args.json:
         print_json(
             {

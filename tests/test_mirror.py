@@ -20,6 +20,8 @@ from mirror.status import MirrorStatus, mirror_status
 from mirror.store import ReplicatingStore
 from tests.conftest import StartVault
 from tests.services.s3 import MinioServer, S3Endpoint, S3Server, VersityGatewayServer
+from tests.services.vault_server import command_env as vault_command_env
+from tests.terminal import run_on_terminal
 from tests.test_cold_tier import flip, flip_stored_bit
 from tests.test_replication_queue import tables, write_previous_release
 from tiers.cold import ColdTier
@@ -476,6 +478,15 @@ def test_vault_serve_replicates_survives_a_kill_and_vault_mirror_repairs(
     assert server.blob_path(str(damaged)).exists()
     synced = vault_mirror("sync").ok().stdout
     assert synced.splitlines()[0] == "queued 0 copies", synced
+
+    # On a terminal, a repair shows the blobs it has checked as it goes.
+    done, shown = run_on_terminal(
+        ["mirror", "repair"],
+        vault_command_env(state_home=server.state_home, extra=command_env),
+    )
+    assert done.returncode == 0, shown
+    assert f"mirror repair {len(files):,} blobs" in shown, shown
+    assert done.stdout.decode().splitlines()[-1].startswith(f"{len(files)} blobs checked: ")
 
 
 def test_vault_mirror_sync_copies_blobs_stored_before_mirrors_were_configured(

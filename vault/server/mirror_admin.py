@@ -5,12 +5,13 @@ written into its config file, and the mirrors and the replication queue opened f
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vault.config import ENV_PREFIX, Config, updating
+from vault.digest import Digest
 from vault.errors import ConfigError, InvalidArgument
 from vault.server.assembly import open_hot_tier, open_mirror_set, open_replication_queue
 
@@ -153,15 +154,16 @@ def sync(config: Config, *, queue_only: bool) -> MirrorSync:
     return MirrorSync(queued, drained, left)
 
 
-def repair(config: Config) -> RepairReport:
+def repair(config: Config, *, progress: Callable[[Digest], None] | None = None) -> RepairReport:
     """Read back every copy on every mirror (and the local one), and rewrite each damaged or
-    missing copy from one that verifies."""
+    missing copy from one that verifies; `progress` is told each blob once its copies are
+    checked."""
     from mirror.repair import repair as repair_copies
 
     hot = open_hot_tier(config)
     with open_mirror_set(config) as mirrors:
         queue = open_replication_queue(config)
         try:
-            return repair_copies(hot, mirrors, queue)
+            return repair_copies(hot, mirrors, queue, progress=progress)
         finally:
             queue.close()
