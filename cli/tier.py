@@ -76,7 +76,11 @@ def _status(args: argparse.Namespace, config: Config) -> int:
 def _migrate(args: argparse.Namespace, config: Config) -> int:
     from vault.server import tier_admin
 
-    migration = tier_admin.migrate(config, dry_run=args.dry_run)
+    bar = Progress("tier migrate", None, unit="blobs")
+    try:
+        migration = tier_admin.migrate(config, dry_run=args.dry_run, progress=bar.set)
+    finally:
+        bar.close()
     listed, report = migration.moves, migration.report
     if args.json:
         result: dict[str, Any] = {"dry_run": args.dry_run, "moves": listed}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,8 @@ import pytest
 
 from cli.tier import add_tier_commands
 from tests.conftest import StartVault
-from tests.services.vault_server import VaultServer
+from tests.services.vault_server import VaultServer, command_env
+from tests.terminal import run_on_terminal
 from tests.tier_contract import LARGE, content
 from tiers.hot import HotTier
 from tiers.manager import TierManager
@@ -260,8 +262,11 @@ def test_tier_status_and_migrate_dry_run_say_what_would_move_and_why(
     status = json.loads(capsys.readouterr().out)
     assert status["tiers"] == {"hot": {"blobs": 1, "bytes": 5000}, "warm": {"blobs": 0, "bytes": 0}}
 
-    assert run_tier_command(["tier", "migrate"], environ) == 0
-    out = capsys.readouterr().out
+    # Run as a person at a terminal runs it: the moves on standard output, progress beside.
+    done, shown = run_on_terminal(["tier", "migrate"], command_env(extra=environ))
+    assert done.returncode == 0, shown
+    assert re.search(r"tier migrate \[█{30}\] 100\.0% 1 blobs", shown), shown
+    out = done.stdout.decode()
     assert f"{sha256}  4.9 KiB  hot -> warm: stored " in out
     assert "copied 1 (4.9 KiB), removed 1 (4.9 KiB), kept 0, failed 0" in out
     assert run_tier_command(["tier", "status", "--json"], environ) == 0

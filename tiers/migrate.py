@@ -147,12 +147,19 @@ class Migrator:
         return self.apply(self.plan(), stop)
 
     def apply(
-        self, decisions: Iterable[Decision], stop: threading.Event | None = None
+        self,
+        decisions: Iterable[Decision],
+        stop: threading.Event | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> MigrationReport:
+        """Make the moves `decisions` ask for, one blob at a time; `progress` is told the blobs
+        done of all to move after each."""
         report = MigrationReport()
         moves = [decision for decision in decisions if decision.moves]
         self.pending = len(moves)
-        for decision in moves:
+        for done, decision in enumerate(moves):
+            if progress is not None:
+                progress(done, len(moves))
             if stop is not None and stop.is_set():
                 break
             digest = decision.facts.digest
@@ -164,6 +171,8 @@ class Migrator:
                 report.failed.append((digest, str(error)))
             finally:
                 self.pending -= 1
+        if progress is not None:
+            progress(len(moves) - self.pending, len(moves))
         return report
 
     def _move(self, decision: Decision, report: MigrationReport) -> None:

@@ -120,8 +120,11 @@ class Migration:
     report: MigrationReport | None
 
 
-def migrate(config: Config, *, dry_run: bool) -> Migration:
-    """Plan the moves [policy] asks for now and, unless `dry_run`, make them."""
+def migrate(
+    config: Config, *, dry_run: bool, progress: Callable[[int, int], None] | None = None
+) -> Migration:
+    """Plan the moves [policy] asks for now and, unless `dry_run`, make them; `progress` is
+    told the blobs moved of all to move."""
     opened = _HostTiers(config, need_warm=not dry_run)
     try:
         db = open_ledger_database(config)
@@ -131,7 +134,7 @@ def migrate(config: Config, *, dry_run: bool) -> Migration:
                 opened.manager.adopt(["hot", *(["warm"] if warm_configured(config) else [])])
             moves = [d for d in migrator.plan() if d.moves]
             notes = {d.facts.digest: migrator.copies_note(d) for d in moves}
-            report = None if dry_run else migrator.apply(moves)
+            report = None if dry_run else migrator.apply(moves, progress=progress)
         finally:
             db.dispose()
     finally:
