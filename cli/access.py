@@ -6,12 +6,12 @@ vault's host."""
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from cli.output import print_json
 from vault.client import VaultClient
 from vault.config import ROLES, Config, check_name, check_role
 
@@ -40,6 +40,7 @@ def add_access_commands(sub: Any, connect: Connect, create_offline: CreateOfflin
     q.set_defaults(func=partial(_list, connect=connect))
     q = commands.add_parser("revoke", help="revoke a token by its id (pv_<id> or <id>)")
     q.add_argument("token_id", metavar="ID")
+    q.add_argument("--json", action="store_true")
     q.set_defaults(func=partial(_revoke, connect=connect))
 
     p = sub.add_parser("keys", help="a CA and certificates for TLS and mutual TLS")
@@ -49,12 +50,14 @@ def add_access_commands(sub: Any, connect: Connect, create_offline: CreateOfflin
     q.add_argument(
         "--host", action="append", default=[], help="a name or address of the server (repeat)"
     )
+    q.add_argument("--json", action="store_true")
     q.set_defaults(func=_keys_init)
     q = commands.add_parser("issue", help="a client certificate: CN name, O team, OU role")
     q.add_argument("folder", metavar="DIR", help="the folder `keys init` made")
     q.add_argument("--name", required=True)
     q.add_argument("--team", required=True)
     q.add_argument("--role", required=True, choices=sorted(ROLES))
+    q.add_argument("--json", action="store_true")
     q.set_defaults(func=_keys_issue)
 
 
@@ -74,7 +77,7 @@ def _create(
             token, secret = client.create_token(name=args.name, team=args.team, role=args.role)
         token_id, role = token.token_id, token.role
     if args.json:
-        print(json.dumps({"token_id": token_id, "role": role, "token": secret}))
+        print_json({"token_id": token_id, "role": role, "token": secret})
     else:
         print(secret)
     return 0
@@ -83,23 +86,24 @@ def _create(
 def _list(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
     with connect(config) as client:
         tokens = client.list_tokens()
+    if args.json:
+        print_json(
+            [
+                {
+                    "token_id": t.token_id,
+                    "name": t.name,
+                    "team": t.team,
+                    "role": t.role,
+                    "created": t.created,
+                    "revoked": t.revoked,
+                }
+                for t in tokens
+            ]
+        )
+        return 0
     for t in tokens:
-        if args.json:
-            print(
-                json.dumps(
-                    {
-                        "token_id": t.token_id,
-                        "name": t.name,
-                        "team": t.team,
-                        "role": t.role,
-                        "created": t.created,
-                        "revoked": t.revoked,
-                    }
-                )
-            )
-        else:
-            state = f"revoked {t.revoked}" if t.revoked else "valid"
-            print(f"pv_{t.token_id}  {t.name:<16} {t.team:<12} {t.role:<9} {t.created}  {state}")
+        state = f"revoked {t.revoked}" if t.revoked else "valid"
+        print(f"pv_{t.token_id}  {t.name:<16} {t.team:<12} {t.role:<9} {t.created}  {state}")
     return 0
 
 
@@ -107,7 +111,10 @@ def _revoke(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
     token_id = args.token_id.removeprefix("pv_").split("_")[0]
     with connect(config) as client:
         client.revoke_token(token_id)
-    print(f"revoked pv_{token_id}")
+    if args.json:
+        print_json({"token_id": token_id, "revoked": True})
+    else:
+        print(f"revoked pv_{token_id}")
     return 0
 
 
@@ -117,10 +124,30 @@ def _revoke(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
 def _keys_init(args: argparse.Namespace, config: Config) -> int:
     from cli.keys import init  # cryptography's x509 is slow to import; only these need it
 
-    return init(Path(args.folder), args.host)
+    made = init(Path(args.folder), args.host)
+    if args.json:
+        print_json(made)
+        return 0
+    folder = Path(made["folder"])
+    print(f"CA and server certificate for {', '.join(made['hosts'])} in {folder}")
+    print(
+        f"  server: auth.tls_cert = {made['server_cert']}, auth.tls_key = "
+        f"{made['server_key']}, auth.client_ca = {made['ca_cert']}"
+    )
+    print(f"  clients: client.ca_file = {made['ca_cert']}")
+    return 0
 
 
 def _keys_issue(args: argparse.Namespace, config: Config) -> int:
     from cli.keys import issue
 
-    return issue(Path(args.folder), name=args.name, team=args.team, role=args.role)
+    made = issue(Path(args.folder), name=args.name, team=args.team, role=args.role)
+    if args.json:
+        print_json(made)
+        return 0
+    print(
+        f"client certificate for {made['name']} (team {made['team']}, {made['role']}) in "
+        f"{args.folder}"
+    )
+    print(f"  client.cert_file = {made['cert']}, client.key_file = {made['key']}")
+    return 0

@@ -8,6 +8,7 @@ import ipaddress
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -81,8 +82,9 @@ def _pem(cert: x509.Certificate) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
-def init(folder: Path, extra_hosts: list[str]) -> int:
-    """A new CA and a server certificate for these hosts (and this machine's names)."""
+def init(folder: Path, extra_hosts: list[str]) -> dict[str, Any]:
+    """A new CA and a server certificate for these hosts (and this machine's names); what was
+    written where."""
     folder.mkdir(parents=True, exist_ok=True)
     hosts = list(dict.fromkeys([*extra_hosts, "localhost", "127.0.0.1", "::1", socket.getfqdn()]))
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -95,17 +97,19 @@ def init(folder: Path, extra_hosts: list[str]) -> int:
     _write(folder / "ca.pem", _pem(ca), secret=False)
     _write(folder / "server.key", _key_pem(server_key), secret=True)
     _write(folder / "server.pem", _pem(server), secret=False)
-    print(f"CA and server certificate for {', '.join(hosts)} in {folder}")
-    print(
-        f"  server: auth.tls_cert = {folder / 'server.pem'}, auth.tls_key = "
-        f"{folder / 'server.key'}, auth.client_ca = {folder / 'ca.pem'}"
-    )
-    print(f"  clients: client.ca_file = {folder / 'ca.pem'}")
-    return 0
+    return {
+        "folder": str(folder),
+        "hosts": hosts,
+        "ca_cert": str(folder / "ca.pem"),
+        "ca_key": str(folder / "ca.key"),
+        "server_cert": str(folder / "server.pem"),
+        "server_key": str(folder / "server.key"),
+    }
 
 
-def issue(folder: Path, *, name: str, team: str, role: str) -> int:
-    """A client certificate signed by the CA in `folder`: CN name, O team, OU role."""
+def issue(folder: Path, *, name: str, team: str, role: str) -> dict[str, Any]:
+    """A client certificate signed by the CA in `folder`: CN name, O team, OU role; what was
+    written where."""
     name = check_name("name", name)
     if "/" in name or name.startswith("."):
         raise InvalidArgument(f"name {name!r} cannot name a file")
@@ -127,8 +131,10 @@ def issue(folder: Path, *, name: str, team: str, role: str) -> int:
     cert = _certificate(subject, key, ca.subject, ca_key, client=True)
     _write(folder / f"{name}.key", _key_pem(key), secret=True)
     _write(folder / f"{name}.pem", _pem(cert), secret=False)
-    print(f"client certificate for {name} (team {team}, {role}) in {folder}")
-    print(
-        f"  client.cert_file = {folder / f'{name}.pem'}, client.key_file = {folder / f'{name}.key'}"
-    )
-    return 0
+    return {
+        "name": name,
+        "team": team,
+        "role": role,
+        "cert": str(folder / f"{name}.pem"),
+        "key": str(folder / f"{name}.key"),
+    }

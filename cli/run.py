@@ -4,7 +4,6 @@ these pins may run (the Slurm plugin calls it); `run` checks, pins and submits t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -88,6 +87,9 @@ def add_run_commands(sub: Any, connect: Connect) -> None:
     _input_arguments(
         p, config_help="the config file (stored and pinned) or its digest", required=False
     )
+    p.add_argument(
+        "--json", action="store_true", help="one JSON object at the end instead of the steps"
+    )
     # What follows `--` is sbatch's (the command splits it off before parsing).
     p.set_defaults(func=partial(_run, connect=connect, usage=p.error), sbatch_args=[])
     actions = p.add_subparsers(dest="run_action", metavar="export", prog="vault run")
@@ -114,6 +116,9 @@ def add_run_commands(sub: Any, connect: Connect) -> None:
     )
     p.add_argument("manifest", metavar="MANIFEST_DIGEST")
     p.add_argument("--team", default="", help="default: client.team, or your credential's team")
+    p.add_argument(
+        "--json", action="store_true", help="one JSON object at the end instead of the steps"
+    )
     p.set_defaults(func=partial(_replay, connect=connect), sbatch_args=[])
 
 
@@ -148,7 +153,7 @@ def _admit(args: argparse.Namespace, config: Config, *, connect: Connect) -> int
     if args.porcelain:
         print(f"run_id={admission.run_id} seed={admission.seed}")
     elif args.json:
-        print(json.dumps(_admission_dict(admission)))
+        print_json(_admission_dict(admission))
     else:
         state = "new run" if admission.new else "admitted before: the same experiment"
         print(f"admitted  run {admission.run_id}  ({state})")
@@ -163,7 +168,8 @@ def _admission_dict(admission: Admission) -> dict[str, Any]:
         "inputs": admission.inputs.as_json(),
         "entry": admission.entry.entry.index,
         "new": admission.new,
-        **({"lease": admission.lease} if admission.lease else {}),
+        # A replay's slot in its team's quota; empty for a job that is not a replay.
+        "lease": admission.lease,
     }
 
 
@@ -176,6 +182,10 @@ def _short(digest: str) -> str:
 
 def _step(mark: str, what: str, detail: str) -> None:
     print(f"{mark} {what:<33} {detail}", flush=True)
+
+
+def _quiet(mark: str, what: str, detail: str) -> None:
+    """A step under --json: the one object at the end says it all."""
 
 
 def _config_digest(client: VaultClient, value: str) -> tuple[str, str]:
@@ -288,24 +298,33 @@ def _run(
     parse_seed(args.seed)
     script = batch_script(sbatch_args)
     sbatch = sbatch_command()
+    step = _quiet if args.json else _step
+    checked: dict[str, dict[str, Any]] = {}
     with connect(config) as client:
         # Everything that can refuse the job is asked before the first append: the pins, then
         # sbatch; admission checks the inputs' content and appends only if it admits.
         named = args.dataset
         args.dataset = resolve_input(client, named)
         if args.dataset != named:
-            _step("✓", "dataset name resolved", f"{named} → {_short(args.dataset)}")
+            step("✓", "dataset name resolved", f"{named} → {_short(args.dataset)}")
         # Each line says what this client checked: the pin's inclusion in a signed checkpoint.
         # The content is checked by the vault's admission below, except an external image's,
         # which the vault records but never holds.
         for kind in ("image", "dataset"):
             digest = getattr(args, kind)
             pins = require_pin(client, kind, digest)
-            if all(p.entry.external for p in pins):
+            external = all(p.entry.external for p in pins)
+            if external:
                 what = f"{kind} pinned, external: recorded, not fetched"
             else:
                 what = f"{kind} pinned, proof verified"
-            _step("✓", what, f"{_short(digest)}  entry {pins[0].entry.index}")
+            step("✓", what, f"{_short(digest)}  entry {pins[0].entry.index}")
+            checked[kind] = {
+                "digest": digest,
+                "entry": pins[0].entry.index,
+                "proof_verified": True,
+                "external": external,
+            }
         config_digest, config_name = _config_digest(client, args.run_config)
         # Stored so that `vault replay` can submit the same script again.
         script_digest = str(client.put(script).blob.sha256) if script else ""
@@ -313,7 +332,7 @@ def _run(
         if config_name:
             client.pin("config", config_digest, meta={"name": config_name})
         if config_digest:
-            _step("✓", "config pinned", _short(config_digest))
+            step("✓", "config pinned", _short(config_digest))
         admission = client.admit(
             image=args.image,
             dataset=args.dataset,
@@ -322,7 +341,7 @@ def _run(
             team=args.team,
         )
         created = "created" if admission.new else "found (same experiment)"
-        _step("✓", f"pin vault entry {created}", f"entry {admission.entry.entry.index}")
+        step("✓", f"pin vault entry {created}", f"entry {admission.entry.entry.index}")
         extra = {ENV_SCRIPT: script_digest} if script_digest else {}
         try:
             job, _ = submit(sbatch_args, job_environment(config, admission, extra), sbatch)
@@ -330,7 +349,18 @@ def _run(
             if admission.new:
                 raise _not_submitted(client, admission, exc) from None
             raise
-    _launched(job, admission)
+    if args.json:
+        print_json(
+            {
+                **_admission_dict(admission),
+                "job": job,
+                "pins": checked,
+                "dataset_name": named if named != args.dataset else "",
+                "script": script_digest,
+            }
+        )
+    else:
+        _launched(job, admission)
     return 0
 
 
@@ -462,7 +492,8 @@ def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
         if task.isdecimal() and not any(a.startswith(("--array", "-a")) for a in sbatch_args):
             # A task of a job array runs again as that task, with the same SLURM_ARRAY_TASK_ID.
             sbatch_args.insert(0, f"--array={task}")
-        _step(
+        step = _quiet if args.json else _step
+        step(
             "✓",
             "run manifest published",
             f"{_short(manifest_digest)}  run {_short(manifest.run_id)}  team {manifest.team}",
@@ -476,8 +507,8 @@ def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
             team=args.team,
             replay_of=manifest_digest,
         )
-        _step("✓", "inputs pinned and intact", f"replay slot taken for team {admission.team}")
-        _step("→", "batch script", shown)
+        step("✓", "inputs pinned and intact", f"replay slot taken for team {admission.team}")
+        step("→", "batch script", shown)
         env = job_environment(
             config,
             admission,
@@ -493,5 +524,17 @@ def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
             # Nothing will run, so the slot is given back now rather than when it expires.
             client.release_replay(admission.lease, team=admission.team)
             raise
-    _launched(job, admission)
+    if args.json:
+        print_json(
+            {
+                **_admission_dict(admission),
+                "job": job,
+                "replay_of": manifest_digest,
+                "sealed_by": manifest.team,
+                "team": admission.team,
+                "script": recorded,
+            }
+        )
+    else:
+        _launched(job, admission)
     return 0

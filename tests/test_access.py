@@ -188,10 +188,18 @@ def test_teams_admit_their_own_jobs_and_schedulers_any(vault: Vault) -> None:
 def test_secrets_never_show_in_logs_errors_or_the_database(vault: Vault) -> None:
     writer_secret = vault.token("alice", "vision", "writer")
     vault.client(writer_secret).put(b"x")
-    vault.admin.revoke_token(writer_secret.split("_")[1])
+    token_id = writer_secret.split("_")[1]
+    revoked = vault.server.run(
+        "token", "revoke", f"pv_{token_id}", "--json",
+        env={"PINVAULT_CLIENT_TOKEN": vault.admin_token},
+    )  # fmt: skip
+    assert revoked.ok().json() == {"token_id": token_id, "revoked": True}
     with pytest.raises(Unauthenticated) as caught:
         vault.client(writer_secret).put(b"y")
-    shown = vault.server.run("token", "list", env={"PINVAULT_CLIENT_TOKEN": vault.admin_token})
+    admin = {"PINVAULT_CLIENT_TOKEN": vault.admin_token}
+    shown = vault.server.run("token", "list", env=admin)
+    listed = vault.server.run("token", "list", "--json", env=admin).ok().json()
+    assert [(t["name"], t["revoked"] != "") for t in listed] == [("root", False), ("alice", True)]
     stored = b"".join(p.read_bytes() for p in vault.server.data_dir.glob("vault.db*"))
     for secret in vault.secrets:
         hidden = secret.rpartition("_")[2]
@@ -228,20 +236,23 @@ def test_local_mode_asks_for_nothing(vault_server: VaultServer) -> None:
 def keys(tmp_path: Path) -> Path:
     folder = tmp_path / "keys"
     # 0.0.0.0 too: the address a server listening on every interface reports.
-    run_vault("keys", "init", str(folder), "--host", "0.0.0.0", state_home=tmp_path).ok()
+    made = run_vault(
+        "keys", "init", str(folder), "--host", "0.0.0.0", "--json", state_home=tmp_path
+    ).ok()
+    assert made.json()["server_cert"] == str(folder / "server.pem")
+    assert made.json()["hosts"][:2] == ["0.0.0.0", "localhost"]
     for name, team, role in [("dana", "vision", "writer"), ("sam", "ops", "reader")]:
-        run_vault(
-            "keys",
-            "issue",
-            str(folder),
-            "--name",
-            name,
-            "--team",
-            team,
-            "--role",
-            role,
-            state_home=tmp_path,
-        ).ok()
+        issued = run_vault(
+            "keys", "issue", str(folder), "--name", name, "--team", team, "--role", role,
+            "--json", state_home=tmp_path,
+        ).ok()  # fmt: skip
+        assert issued.json() == {
+            "name": name,
+            "team": team,
+            "role": role,
+            "cert": str(folder / f"{name}.pem"),
+            "key": str(folder / f"{name}.key"),
+        }
     assert (folder / "ca.key").stat().st_mode & 0o777 == 0o600
     assert (folder / "dana.key").stat().st_mode & 0o777 == 0o600
     return folder

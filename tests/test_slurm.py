@@ -701,14 +701,38 @@ def test_a_replay_makes_the_same_outputs_and_quotas_hold(lab: Lab) -> None:
     assert [c.manifest for c in again.checkpoints] == [c.manifest for c in first.checkpoints]
     assert replayed != original  # its own manifest: where and when it ran differ
 
-    # Two held replays fill the team's slots; a third is refused with the reason.
+    # Two held replays fill the team's slots; a third is refused with the reason. With --json
+    # each prints one object and none of the steps.
     held = []
     for _ in range(2):
         status, stdout, stderr = lab.vault_command(
-            "replay", original, "--team", "vision", "--", "--hold"
+            "replay", original, "--team", "vision", "--json", "--", "--hold"
         )
         assert status == 0, stderr
-        held.append(re.search(r"job (\d+)", stdout).group(1))  # type: ignore[union-attr]
+        record = json.loads(stdout)
+        assert (record["run_id"], record["replay_of"], record["sealed_by"]) == (
+            first.run_id,
+            original,
+            "vision",
+        )
+        assert record["script"] == first.environment.variables["PINVAULT_SCRIPT"]
+        held.append(record["job"])
+    # The same inputs submitted again are the same run, found, not a new one.
+    status, stdout, stderr = lab.vault_command(
+        "run", "--image", lab.image, "--dataset", lab.dataset, "--seed", "7",
+        "--team", "vision", "--json", "--", "--hold", str(lab.script),
+    )  # fmt: skip
+    assert status == 0, stderr
+    record = json.loads(stdout)
+    held.append(record["job"])
+    assert (record["run_id"], record["new"], record["seed"]) == (first.run_id, False, "7")
+    assert record["pins"]["image"] == {
+        "digest": lab.image,
+        "entry": record["pins"]["image"]["entry"],
+        "proof_verified": True,
+        "external": False,
+    }
+    assert record["pins"]["dataset"]["digest"] == lab.dataset
     try:
         status, stdout, stderr = lab.vault_command(
             "replay", original, "--team", "vision", "--", "--hold"
