@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from tests.conftest import StartVault
 from tests.services.vault_server import VaultServer, command_env
 from tests.terminal import run_on_terminal
 from vault.errors import IntegrityError, VerificationError
@@ -722,3 +723,22 @@ def test_verify_reports_progress_on_a_terminal(vault_server: VaultServer, tmp_pa
     assert result.returncode == 0, text
     assert re.search(rf"verify ledger .*\b{size:,} entries", text), text
     assert "verify blobs" in text, text
+
+
+def test_tier_status_counts_what_a_running_vault_of_one_tier_holds_now(
+    start_vault: StartVault, tmp_path: Path
+) -> None:
+    server = start_vault()
+    host = {"PINVAULT_DATA_DIR": str(server.data_dir)}
+    assert server.run("tier", "status", "--json", env=host).ok().json()["tiers"] == {
+        "hot": {"blobs": 0, "bytes": 0}
+    }
+    sizes = [10_000, 70_000]
+    for size in sizes:
+        path = tmp_path / f"blob-{size}"
+        path.write_bytes(os.urandom(size))
+        server.run("put", str(path)).ok()
+    status = server.run("tier", "status", "--json", env=host).ok().json()
+    assert status["tiers"] == {"hot": {"blobs": 2, "bytes": sum(sizes)}}
+    table = server.run("tier", "status", env=host).ok().stdout
+    assert re.search(r"^hot +2 +78\.1 KiB$", table, re.M), table

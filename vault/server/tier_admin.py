@@ -96,6 +96,10 @@ def status(config: Config) -> dict[str, Any]:
         name: {"blobs": totals.get(name, (0, 0))[0], "bytes": totals.get(name, (0, 0))[1]}
         for name in ["hot", *(["warm"] if warm_configured(config) else [])]
     }
+    if not warm_configured(config) and not mirrors_configured(config):
+        # A vault of one tier journals no placements (no tier manager moves its copies), so
+        # its tier is counted itself, as it is now.
+        rows["hot"] = _count(open_hot_tier(config))
     for name, counts in sorted(mirrors.items()):
         rows[f"mirror-{name}"] = {"blobs": counts.objects, "bytes": counts.bytes}
     capacity = hot_capacity(config)()
@@ -109,6 +113,16 @@ def status(config: Config) -> dict[str, Any]:
         "never_verified": len(placements) - len(verified),
         "oldest_verified": min(verified, default=None),
     }
+
+
+def _count(tier: BlobStore) -> dict[str, int]:
+    blobs = size = 0
+    for digest in tier.digests():
+        info = tier.info(digest)
+        if info is not None:  # removed meanwhile
+            blobs += 1
+            size += info.size
+    return {"blobs": blobs, "bytes": size}
 
 
 @dataclass(frozen=True, slots=True)
