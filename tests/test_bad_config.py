@@ -145,3 +145,13 @@ def test_every_numeric_setting_has_a_range_its_default_lies_in(
     ):
         with pytest.raises(ConfigError, match=rf"{section}\.{name}: expected .* to .*, found"):
             config.load(environ={variable: wrong})
+
+
+def test_a_client_without_a_server_address_is_told_which_setting_to_give(tmp_path: Path) -> None:
+    digest = "sha256:" + "0" * 64
+    run = run_vault("stat", digest, env={"PINVAULT_CLIENT_SERVER": " "}, state_home=tmp_path)
+    assert run.returncode == 2, run.describe()
+    assert run.stderr.strip() == (
+        "vault: INVALID_ARGUMENT: no vault server to connect to: set client.server (or "
+        "PINVAULT_CLIENT_SERVER) to HOST:PORT or unix:PATH"
+    )

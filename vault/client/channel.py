@@ -11,6 +11,7 @@ from typing import Any, Final
 import grpc
 
 from vault.errors import (
+    ConfigError,
     FailedPrecondition,
     IntegrityError,
     InvalidArgument,
@@ -108,6 +109,12 @@ class _Bearer(
 
 
 def open_channel(target: str, credentials: Credentials | None = None) -> grpc.Channel:
+    if not target.strip():
+        # gRPC would log its own failure to stderr and raise an UNKNOWN that names nothing.
+        raise ConfigError(
+            "no vault server to connect to: set client.server (or PINVAULT_CLIENT_SERVER) "
+            "to HOST:PORT or unix:PATH"
+        )
     creds = credentials or Credentials()
     if creds.ca or creds.cert:
         channel = grpc.secure_channel(
