@@ -101,11 +101,10 @@ function parseCanonical(what, bytes) {
 // A Go note verifier key: name+hex key id+base64(0x01 || Ed25519 public key), its key id
 // checked against the first four bytes of SHA-256(name || 0x0A || 0x01 || public key).
 async function parseVerifierKey(text) {
-  const parts = text.split("+");
-  if (parts.length !== 3 || !/^[0-9a-f]{8}$/.test(parts[1])) {
-    throw new Error("the verifier key is not name+keyid+key");
-  }
-  const [name, keyId, encoded] = parts;
+  // The name holds no "+"; the base64 key may.
+  const match = /^([^+\s]+)\+([0-9a-f]{8})\+([A-Za-z0-9+/=]+)$/.exec(text);
+  if (!match) throw new Error("the verifier key is not name+keyid+key");
+  const [, name, keyId, encoded] = match;
   const raw = b64decode(encoded);
   if (raw.length !== 33 || raw[0] !== 1) throw new Error("the verifier key is not Ed25519");
   const id = (await sha256(concat(enc.encode(name + "\n"), raw))).slice(0, 4);
@@ -251,9 +250,10 @@ function digestLink(digest) {
 }
 
 function table(headings, rows) {
+  const body = el("tbody", {}, ...rows.map((cells) => el("tr", {}, ...cells.map((c) => el("td", {}, c)))));
+  if (!headings.some(Boolean)) return el("table", {}, body);
   const head = el("tr", {}, ...headings.map((h) => el("th", { text: h })));
-  const body = rows.map((cells) => el("tr", {}, ...cells.map((c) => el("td", {}, c))));
-  return el("table", {}, el("thead", {}, head), el("tbody", {}, ...body));
+  return el("table", {}, el("thead", {}, head), body);
 }
 
 function rowsOf(object) {
