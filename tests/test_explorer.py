@@ -26,6 +26,7 @@ from vault.client import Credentials, VaultClient
 from vault.ledger.checkpoint import SigningKey
 from vault.runs import start
 from vault.runs.dataset import add_dataset
+from vault.wire import pinvault_pb2 as pb
 
 CHROMIUM = "/usr/bin/chromium"
 # Chromium as root in a sandbox-less container, with nothing reaching for the network.
@@ -41,6 +42,10 @@ CHROMIUM_ARGS = [
 SCREENSHOTS = REPO_ROOT / ".cache" / "explorer"
 ORIGIN = "explorer.test/ledger"
 HOSTILE = "<img src=x onerror=\"document.title='pwned'\">"
+
+
+def sha256_of(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def explorer_url(server: VaultServer) -> str:
@@ -331,6 +336,49 @@ def test_a_pinned_verifier_key_that_is_not_the_vaults_fails(
     page.click("#save-settings")
     assert search(page, url, sealed.run_id) == "failed"
     assert f"not the expected {other}" in page.inner_text("#verdict")
+
+
+def test_a_run_with_more_entries_than_an_answer_carries_still_shows_its_manifest(
+    explorer_vault: VaultServer, sealed: SealedRun, page: Page, tmp_path: Path
+) -> None:
+    seed = random.getrandbits(64)
+    with explorer_vault.client() as client:
+        admission = client.admit(
+            image=sealed.image, dataset=sealed.dataset, seed=seed, team="vision"
+        )
+        env = {
+            "PINVAULT_RUN_ID": admission.run_id,
+            "PINVAULT_SEED": str(seed),
+            "PINVAULT_IMAGE": sealed.image,
+            "PINVAULT_DATASET": sealed.dataset,
+            "PINVAULT_CLIENT_SERVER": explorer_vault.address,
+            "PINVAULT_CLIENT_STATE_FILE": str(tmp_path / "trust.json"),
+        }
+        with start(environ=env, output_dir=tmp_path / "out") as run:
+            # Outputs kept elsewhere, 1,100 of them: more than one answer carries.
+            client.ledger.PinBatch(
+                pb.PinBatchRequest(
+                    pins=[
+                        pb.PinRequest(
+                            kind="artefact",
+                            subjects=[sha256_of(b"shard %d" % n), admission.run_id],
+                            meta={"path": f"shards/{n}.bin", "size": "1"},
+                            external=True,
+                            author="sharder@lab",
+                        )
+                        for n in range(1100)
+                    ]
+                ),
+                timeout=60,
+            )
+            with run.output("summary.txt") as f:
+                f.write(b"1100 shards\n")
+    manifest = (tmp_path / "out" / "replicate.sh").read_text().split()[4]
+    assert search(page, explorer_url(explorer_vault), admission.run_id) == "verified"
+    assert "More entries name this than one answer carries" in page.inner_text("#verdict")
+    view = page.inner_text("#view")
+    assert manifest in view
+    assert "summary.txt" in view and "shards/1099.bin" in view
 
 
 # ---------------------------------------------------------------------- the HTTP surface

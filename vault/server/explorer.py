@@ -31,8 +31,8 @@ from vault.server.http_endpoint import NOT_CACHED, Endpoint, ReadOnlyHandler
 
 log = logging.getLogger(__name__)
 
-# What one answer carries at most: a digest named by more entries (an image every run uses)
-# shows the first ones and says how many there are.
+# What one answer carries at most: of a digest named by more entries (an image every run
+# uses) the first ones are shown, and the page says there are more.
 MAX_ENTRIES: Final = 1000
 # A blob larger than this is named but not sent (the page says so): the browser hashes every
 # byte it shows, and a dataset of a million files has a manifest of ~150 MiB.
@@ -145,7 +145,7 @@ class ExplorerServer(Endpoint):
         port: int = 0,
         *,
         tokens: Authenticator | None = None,
-        threads: int = 8,
+        threads: int = 4,
         timeout: float = 10.0,
     ) -> None:
         super().__init__(host, port, threads=threads, timeout=timeout)
@@ -195,38 +195,45 @@ class ExplorerServer(Endpoint):
                 keys.append(str(found.info.sha256))
         named: dict[int, StoredEntry] = {}
         for key in keys:
-            for stored in self.ledger.entries_naming(key):
+            for stored in self.ledger.entries_naming(key, MAX_ENTRIES + 1):
                 named[stored.index] = stored
         if not named:
             raise NotFound(f"no entry names {digest}")
-        entries = [named[i] for i in sorted(named)]
+        entries = [named[i] for i in sorted(named)][:MAX_ENTRIES]
+        more = len(named) > MAX_ENTRIES
         sha256 = keys[-1]
-        return self._answer(sha256, entries, self._blobs_for(sha256, entries))
+        if more:
+            # A long run's manifest pin may come after its first entries; its `run` entries
+            # (admission, manifests) are few, so they are all sent.
+            shown = {e.index for e in entries}
+            extra = [e for e, _ in self.ledger.pins_of_kind(sha256, "run") if e.index not in shown]
+            entries = sorted(entries + extra[:MAX_ENTRIES], key=lambda e: e.index)
+        return self._answer(sha256, entries, self._blobs_for(sha256, entries), more=more)
 
     def entry(self, text: str) -> dict[str, Any]:
         if not text.isdigit() or len(text) > 16:
             raise InvalidArgument(f"an entry index is a number, not {text[:40]!r}")
         stored = self.ledger.entry(int(text))
-        return self._answer(f"#{int(text)}", [stored], {})
+        return self._answer(f"#{int(text)}", [stored], {}, more=False)
 
     def _answer(
-        self, query: str, entries: list[StoredEntry], blobs: dict[str, Any]
+        self, query: str, entries: list[StoredEntry], blobs: dict[str, Any], *, more: bool
     ) -> dict[str, Any]:
-        shown = entries[:MAX_ENTRIES]
-        signed = self.ledger.checkpoint(max(e.index for e in shown) + 1)
+        signed = self.ledger.checkpoint(max(e.index for e in entries) + 1)
         proof = self.ledger.inclusion_proof
         return {
             "query": query,
             "verifier": str(self.ledger.verifier),
             "checkpoint": signed.note,
-            "total": len(entries),
+            # More entries name it than an answer carries.
+            "more": more,
             "entries": [
                 {
                     "index": e.index,
                     "body": _b64(e.body),
                     "proof": [_b64(h) for h in proof(e.index, signed.size)],
                 }
-                for e in shown
+                for e in entries
             ],
             "blobs": blobs,
         }

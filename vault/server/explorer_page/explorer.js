@@ -327,8 +327,8 @@ function showVerdict(checked, answer) {
   if (documents.length) {
     lines.push(`Documents hashed in this browser to the digests entries pin: ${documents.join(", ")}.`);
   }
-  if (answer.total > checked.entries.length) {
-    lines.push(`The vault holds ${answer.total} entries naming this; the first ${checked.entries.length} are shown.`);
+  if (answer.more === true) {
+    lines.push(`More entries name this than one answer carries: ${checked.entries.length} are shown, the first ones and any run entries of a run.`);
   }
   lines.push("Proofs show that what is shown is in the ledger; they cannot show that the vault left nothing out.");
   node.className = "verified";
@@ -536,7 +536,12 @@ async function refresh() {
     status(error.message, true);
     return;
   }
-  const wanted = decodeURIComponent(location.hash.slice(1));
+  let wanted = "";
+  try {
+    wanted = decodeURIComponent(location.hash.slice(1));
+  } catch {
+    status("the address after # is not a search", true);
+  }
   if (wanted) await search(wanted);
 }
 
