@@ -283,6 +283,16 @@ def _tamper_document(answer: dict[str, Any]) -> str:
     return f"document {digest}: its bytes hash to sha256:"
 
 
+def _tamper_unpinned_document(answer: dict[str, Any]) -> str:
+    # A document that hashes to its digest but that no entry pins is no document of the run.
+    data = (
+        b'{"dataset":"sha256:0","image":"sha256:0","seed":"1","type":"pinvault.run-inputs","v":1}'
+    )
+    digest = sha256_of(data)
+    answer["blobs"][digest] = base64.b64encode(data).decode()
+    return f"document {digest}: no verified entry shown names it"
+
+
 def _tamper_signature(answer: dict[str, Any]) -> str:
     note = answer["checkpoint"]
     head, _, line = note.rstrip("\n").rpartition("\n")
@@ -295,8 +305,8 @@ def _tamper_signature(answer: dict[str, Any]) -> str:
 
 @pytest.mark.parametrize(
     "tamper",
-    [_tamper_entry, _tamper_proof, _tamper_document, _tamper_signature],
-    ids=["entry", "proof", "document", "signature"],
+    [_tamper_entry, _tamper_proof, _tamper_document, _tamper_unpinned_document, _tamper_signature],
+    ids=["entry", "proof", "document", "unpinned-document", "signature"],
 )
 def test_a_tampered_answer_shows_as_failed(
     explorer_vault: VaultServer,
@@ -395,6 +405,7 @@ def test_the_http_surface_is_read_only_bounded_and_strict(
     assert "default-src 'none'" in csp and "script-src 'self'" in csp
     assert "frame-ancestors 'none'" in csp
     assert page.headers["X-Content-Type-Options"] == "nosniff"
+    assert page.headers["Connection"] == "close"
     for path in ("/../etc/passwd", "/index.html", "/api", "/api/nothing", "/explorer.js/x"):
         assert get(url.rstrip("/") + path).status == 404, path
     assert get(url, method="POST").status == 405

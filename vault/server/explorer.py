@@ -76,6 +76,10 @@ class _Handler(ReadOnlyHandler):
     server_version = "pinvault-explorer"
 
     def end_headers(self) -> None:
+        # A browser keeps idle connections open, each holding one of the server's few slots
+        # until its read times out; one request a connection leaves the slots to requests.
+        self.send_header("Connection", "close")
+        self.close_connection = True
         self.send_header("Content-Security-Policy", CSP)
         self.send_header("Referrer-Policy", "no-referrer")
         self.send_header("X-Frame-Options", "DENY")
@@ -145,7 +149,7 @@ class ExplorerServer(Endpoint):
         port: int = 0,
         *,
         tokens: Authenticator | None = None,
-        threads: int = 4,
+        threads: int = 8,
         timeout: float = 10.0,
     ) -> None:
         super().__init__(host, port, threads=threads, timeout=timeout)

@@ -219,6 +219,11 @@ async function verifyAnswer(answer, query) {
       failures.push(`document ${digest}: its bytes hash to ${got}`);
       continue;
     }
+    // A document is shown only as what a verified entry pins.
+    if (!result.entries.some((s) => s.ok && s.entry.subjects.includes(digest))) {
+      failures.push(`document ${digest}: no verified entry shown names it`);
+      continue;
+    }
     result.blobs[digest] = bytes;
   }
   return result;
