@@ -24,6 +24,7 @@ from playwright.sync_api import Browser, Page, Route, sync_playwright
 from tests.services.vault_server import REPO_ROOT, VaultServer, run_vault
 from vault.client import Credentials, VaultClient
 from vault.ledger.checkpoint import SigningKey
+from vault.ledger.merkle import MerkleTree, leaf_hash
 from vault.runs import start
 from vault.runs.dataset import add_dataset
 from vault.wire import pinvault_pb2 as pb
@@ -389,6 +390,107 @@ def test_a_run_with_more_entries_than_an_answer_carries_still_shows_its_manifest
     view = page.inner_text("#view")
     assert manifest in view
     assert "summary.txt" in view and "shards/1099.bin" in view
+
+
+def test_the_page_keeps_the_checkpoint_it_verified_and_catches_a_rewritten_history(
+    explorer_vault: VaultServer, sealed: SealedRun, page: Page
+) -> None:
+    url = explorer_url(explorer_vault)
+    assert search(page, url, sealed.image) == "verified"
+    assert "the first checkpoint this browser has verified" in page.inner_text("#verdict")
+    key = str(page.text_content("#vault-key"))
+    remembered = page.evaluate("(key) => localStorage.getItem(seenKey({text: key}))", key)
+    seen = json.loads(remembered)
+    with explorer_vault.client() as client:
+        newer = str(client.put(b"pinned after the first visit").blob.sha256)
+        client.pin("config", newer)
+    assert search(page, url, newer) == "verified"
+    assert (
+        f"consistent with the checkpoint of size {seen['size']} this browser verified before "
+        "(consistency proof checked in this browser)"
+    ) in page.inner_text("#verdict")
+
+    # What the browser remembers is now of a tree this vault never signed: its answers, though
+    # each is signed and proven, do not extend it.
+    forged = base64.b64encode(hashlib.sha256(b"another history").digest()).decode()
+    page.evaluate(
+        "([key, seen]) => localStorage.setItem(seenKey({text: key}), seen)",
+        [key, json.dumps({"size": seen["size"], "root": forged})],
+    )
+    assert search(page, url, newer) == "failed"
+    verdict = page.inner_text("#verdict")
+    assert f"does not extend the tree of size {seen['size']} (root {forged})" in verdict
+    assert "the vault rewrote or forked its history" in verdict
+    assert page.inner_text("#view") == ""
+
+
+def test_the_pages_proof_checks_agree_with_the_ledgers_code(
+    page: Page, explorer_vault: VaultServer
+) -> None:
+    """The page's RFC 9162 walks against vault.ledger.merkle's proofs for every position and
+    pair of sizes up to 40, and a flipped bit in any proof refused."""
+    page.goto(explorer_url(explorer_vault))
+    page.wait_for_selector("#status:has-text('entries')")
+    tree = MerkleTree(leaf_hash(b"leaf %d" % n) for n in range(40))
+    cases = []
+    for new in range(1, 41):
+        for index in range(new):
+            cases.append(
+                [
+                    "inclusion",
+                    index,
+                    new,
+                    tree.leaf(index),
+                    tree.inclusion_proof(index, new),
+                    tree.root(new),
+                ]
+            )
+        for old in range(0, new + 1):
+            cases.append(
+                [
+                    "consistency",
+                    old,
+                    new,
+                    tree.root(old),
+                    tree.consistency_proof(old, new),
+                    tree.root(new),
+                ]
+            )
+    encoded = [
+        [kind, a, b, x.hex(), [h.hex() for h in proof], y.hex()]
+        for kind, a, b, x, proof, y in cases
+    ]
+    results = page.evaluate(
+        """async (cases) => {
+            const bytes = (h) => Uint8Array.from(h.match(/../g) || [], (x) => parseInt(x, 16));
+            const check = async (kind, a, b, x, proof, y) => kind === "inclusion"
+                ? equal((await rootFromInclusionProof(a, b, x, proof)) || new Uint8Array(), y)
+                : consistent(a, b, x, y, proof);
+            const out = [];
+            for (const [kind, a, b, x, proof, y] of cases) {
+                const path = proof.map(bytes);
+                const good = await check(kind, a, b, bytes(x), path, bytes(y));
+                const bad = [];
+                for (let i = 0; i < path.length; i++) {
+                    const flipped = path.map((h) => h.slice());
+                    flipped[i][31] ^= 1;
+                    bad.push(await check(kind, a, b, bytes(x), flipped, bytes(y)));
+                }
+                const short = path.length > 0 &&
+                    await check(kind, a, b, bytes(x), path.slice(1), bytes(y));
+                out.push([good, bad.some(Boolean), short]);
+            }
+            return out;
+        }""",
+        encoded,
+    )
+    failures = [
+        (case[0], case[1], case[2], result)
+        for case, result in zip(cases, results, strict=True)
+        if result != [True, False, False]
+    ]
+    assert failures == []
+    assert len(cases) > 1600
 
 
 # ---------------------------------------------------------------------- the HTTP surface

@@ -186,7 +186,20 @@ class ExplorerServer(Endpoint):
         if path == "/api/entry":
             _only(query, "index")
             return self.entry(query.get("index", ""))
+        if path == "/api/consistency":
+            _only(query, "old", "new")
+            return self.consistency(query.get("old", ""), query.get("new", ""))
         raise NotFound(f"no such API call: {path}")
+
+    def consistency(self, old: str, new: str) -> dict[str, Any]:
+        """The proof that the tree of `old` entries is a prefix of the tree of `new`, for a
+        browser that verified a checkpoint of one size before and sees another now."""
+        sizes = []
+        for name, text in (("old", old), ("new", new)):
+            if not text.isdigit() or len(text) > 16:
+                raise InvalidArgument(f"{name} is a tree size, not {text[:40]!r}")
+            sizes.append(int(text))
+        return {"proof": [_b64(h) for h in self.ledger.consistency_proof(*sizes)]}
 
     def lookup(self, text: str) -> dict[str, Any]:
         """The entries naming a digest (a blake3 alias: its blob's), each with its proof, and

@@ -96,6 +96,49 @@ function parseCanonical(what, bytes) {
   return value;
 }
 
+function isPowerOfTwo(n) {
+  while (n > 1) {
+    if (n % 2 === 1) return false;
+    n /= 2;
+  }
+  return n === 1;
+}
+
+// RFC 9162 §2.1.4.2: whether `path` proves that the tree of `oldSize` leaves with root
+// `oldRoot` is a prefix of the tree of `newSize` leaves with root `newRoot`.
+async function consistent(oldSize, newSize, oldRoot, newRoot, path) {
+  if (oldSize > newSize) return false;
+  if (oldSize === newSize) return path.length === 0 && equal(oldRoot, newRoot);
+  if (oldSize === 0) return path.length === 0;
+  if (!path.length) return false;
+  const hashes = [...path];
+  if (isPowerOfTwo(oldSize)) hashes.unshift(oldRoot);
+  let fn = oldSize - 1;
+  let sn = newSize - 1;
+  while (fn % 2 === 1) {
+    fn = Math.floor(fn / 2);
+    sn = Math.floor(sn / 2);
+  }
+  let fr = hashes[0];
+  let sr = hashes[0];
+  for (const c of hashes.slice(1)) {
+    if (sn === 0) return false;
+    if (fn % 2 === 1 || fn === sn) {
+      fr = await nodeHash(c, fr);
+      sr = await nodeHash(c, sr);
+      while (fn % 2 === 0 && fn !== 0) {
+        fn = Math.floor(fn / 2);
+        sn = Math.floor(sn / 2);
+      }
+    } else {
+      sr = await nodeHash(sr, c);
+    }
+    fn = Math.floor(fn / 2);
+    sn = Math.floor(sn / 2);
+  }
+  return sn === 0 && equal(fr, oldRoot) && equal(sr, newRoot);
+}
+
 // ------------------------------------------------------------------ keys and checkpoints
 
 // A Go note verifier key: name+hex key id+base64(0x01 || Ed25519 public key), its key id
@@ -154,6 +197,42 @@ async function openCheckpoint(note, key) {
   return { origin: lines[0], size: Number(lines[1]), root };
 }
 
+// The largest checkpoint this browser verified of the vault with this key is kept, and every
+// later one must extend it (a consistency proof checked here): a vault that rewrites or rolls
+// back its history is caught by the page as by the `vault` command.
+const seenKey = (key) => "pinvault-checkpoint:" + key.text;
+
+async function checkHistory(key, checkpoint) {
+  let seen = null;
+  try {
+    seen = JSON.parse(localStorage.getItem(seenKey(key)) || "null");
+  } catch {
+    seen = null;
+  }
+  const remember = () => localStorage.setItem(
+    seenKey(key), JSON.stringify({ size: checkpoint.size, root: b64encode(checkpoint.root) }));
+  if (!seen || !Number.isSafeInteger(seen.size) || typeof seen.root !== "string") {
+    remember();
+    return "the first checkpoint this browser has verified of this vault";
+  }
+  const seenRoot = b64decode(seen.root);
+  const [older, newer] = seen.size <= checkpoint.size
+    ? [{ size: seen.size, root: seenRoot }, checkpoint] : [checkpoint, { size: seen.size, root: seenRoot }];
+  let path = [];
+  if (older.size !== newer.size && older.size !== 0) {
+    const answer = await api(`/api/consistency?old=${older.size}&new=${newer.size}`);
+    path = (answer.proof || []).map(b64decode);
+  }
+  if (!(await consistent(older.size, newer.size, older.root, newer.root, path))) {
+    throw new Error(`the vault's tree of size ${checkpoint.size} (root ${b64encode(checkpoint.root)}) ` +
+      `does not extend the tree of size ${seen.size} (root ${seen.root}) this browser verified before: ` +
+      "the vault rewrote or forked its history");
+  }
+  if (checkpoint.size > seen.size) remember();
+  return `consistent with the checkpoint of size ${seen.size} this browser verified before ` +
+    (older.size === newer.size ? "(the same root)" : "(consistency proof checked in this browser)");
+}
+
 // ------------------------------------------------------------------ verifying an answer
 
 // Every check the page makes of one API answer. `failures` empty means all of it held.
@@ -169,6 +248,14 @@ async function verifyAnswer(answer, query) {
     result.checkpoint = await openCheckpoint(String(answer.checkpoint), result.key);
   } catch (error) {
     failures.push(`checkpoint: ${error.message}`);
+  }
+  if (result.checkpoint) {
+    try {
+      result.history = await checkHistory(result.key, result.checkpoint);
+    } catch (error) {
+      failures.push(`checkpoint: ${error.message}`);
+      result.checkpoint = null;
+    }
   }
   for (const item of answer.entries || []) {
     const shown = { index: item.index, ok: false, problem: "", entry: null };
@@ -328,6 +415,7 @@ function showVerdict(checked, answer) {
       "each leaf hash SHA-256(0x00 || entry bytes) walked up its RFC 9162 inclusion proof.",
     `Checkpoint Ed25519 signature verified in this browser with key ${checked.key.text}` +
       (settings.pinnedKey() ? " (the expected key set here)." : " (the vault's own key: set an expected key to pin it)."),
+    `Checkpoint history: ${checked.history}.`,
   ];
   if (documents.length) {
     lines.push(`Documents hashed in this browser to the digests entries pin: ${documents.join(", ")}.`);
