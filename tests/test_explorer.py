@@ -23,8 +23,14 @@ from playwright.sync_api import Browser, Page, Route, sync_playwright
 
 from tests.services.vault_server import REPO_ROOT, VaultServer, run_vault
 from vault.client import Credentials, VaultClient
-from vault.ledger.checkpoint import SigningKey
-from vault.ledger.merkle import MerkleTree, leaf_hash
+from vault.ledger.checkpoint import Checkpoint, SigningKey, Verifier
+from vault.ledger.entry import Entry
+from vault.ledger.merkle import (
+    MerkleTree,
+    leaf_hash,
+    verify_consistency,
+    verify_inclusion,
+)
 from vault.runs import start
 from vault.runs.dataset import add_dataset
 from vault.wire import pinvault_pb2 as pb
@@ -524,6 +530,60 @@ def test_the_http_surface_is_read_only_bounded_and_strict(
     assert found.status == 200
     assert found.headers["Cache-Control"] == "no-store"
     assert found.headers["Content-Type"] == "application/json"
+
+
+def check_with_the_ledgers_code(answer: dict[str, Any], verifier: str) -> Checkpoint:
+    """An API answer verified by vault.ledger, as `vault verify` would: every entry's proof
+    against the checkpoint, signed by the vault's key."""
+    assert answer["verifier"] == verifier
+    checkpoint = Verifier.from_string(verifier).open(answer["checkpoint"])
+    for item in answer["entries"]:
+        body = base64.b64decode(item["body"])
+        assert Entry.decode(body).index == item["index"]
+        proof = [base64.b64decode(h) for h in item["proof"]]
+        verify_inclusion(leaf_hash(body), item["index"], checkpoint.size, proof, checkpoint.root)
+    return checkpoint
+
+
+@pytest.mark.parametrize("engine", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_the_api_answers_what_the_ledgers_own_verifier_accepts(
+    engine: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    database = request.getfixturevalue("postgres_url") if engine == "postgres" else None
+    with VaultServer(
+        tmp_path / "vault", database=database, serve_args=("--explorer-http", "0")
+    ) as server:
+        url = explorer_url(server)
+        with server.client() as client:
+            verifier = str(client.verifier())
+            image = str(client.put(b"an image looked up through the explorer").blob.sha256)
+            for n in range(3):
+                client.pin("image", image, meta={"name": f"trainer-{n}"})
+            blake3 = str(client.stat(image).blob.blake3)
+        found = get(f"{url}api/lookup?digest={image}")
+        assert found.status == 200
+        answer = json.loads(found.body)
+        checkpoint = check_with_the_ledgers_code(answer, verifier)
+        names = [Entry.decode(base64.b64decode(e["body"])).meta["name"] for e in answer["entries"]]
+        assert names == ["trainer-0", "trainer-1", "trainer-2"]
+        # A blake3 alias finds the same entries.
+        alias = json.loads(get(f"{url}api/lookup?digest={blake3}").body)
+        assert alias["entries"] == answer["entries"]
+        entry = json.loads(get(f"{url}api/entry?index=1").body)
+        check_with_the_ledgers_code(entry, verifier)
+        assert entry["entries"] == answer["entries"][1:2]
+        consistency = json.loads(get(f"{url}api/consistency?old=1&new={checkpoint.size}").body)
+        first = Verifier.from_string(verifier).open(
+            json.loads(get(f"{url}api/entry?index=0").body)["checkpoint"]
+        )
+        assert first.size == checkpoint.size
+        proof = [base64.b64decode(h) for h in consistency["proof"]]
+        one = MerkleTree([leaf_hash(base64.b64decode(answer["entries"][0]["body"]))]).root()
+        verify_consistency(1, checkpoint.size, one, checkpoint.root, proof)
+        assert get(f"{url}api/consistency?old=2&new=1").status == 400
+        assert get(f"{url}api/consistency?old=1&new=99").status == 404
+        assert get(f"{url}api/entry?index=99").status == 404
+        assert get(f"{url}api/entry?index=-1").status == 400
 
 
 def test_the_explorer_listens_only_on_loopback(tmp_path: Path) -> None:
