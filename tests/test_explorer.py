@@ -257,6 +257,24 @@ def test_an_entry_by_index_shows_its_leaf_hash_and_proof(
     assert "proof\tverified" in detail
 
 
+def test_a_dataset_whose_manifest_rotted_shows_why_it_cannot_be_listed(
+    explorer_vault: VaultServer, page: Page, tmp_path: Path
+) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_bytes(b"soon unreadable\n")
+    with explorer_vault.client() as client:
+        digest = add_dataset(client, tmp_path / "data", name="rotten").digest
+    with explorer_vault.blob_path(digest).open("r+b") as f:
+        f.seek(10)
+        byte = f.read(1)
+        f.seek(10)
+        f.write(bytes([byte[0] ^ 0x40]))
+    assert search(page, explorer_url(explorer_vault), digest) == "verified"
+    view = page.inner_text("#view")
+    assert f"blob {digest} cannot be read" in view
+    assert "a.txt" not in view
+
+
 def test_hostile_metadata_is_shown_as_text(
     explorer_vault: VaultServer, sealed: SealedRun, page: Page
 ) -> None:
