@@ -240,6 +240,24 @@ def test_a_search_finds_a_run_with_its_inputs_outputs_and_verified_proofs(
     assert "2 files, 20 bytes." in members
 
 
+def test_a_checkpoint_and_a_run_manifest_are_shown_by_their_digests(
+    explorer_vault: VaultServer, sealed: SealedRun, page: Page
+) -> None:
+    url = explorer_url(explorer_vault)
+    assert search(page, url, sealed.checkpoint) == "verified"
+    view = page.inner_text("#view")
+    assert "Checkpoint, step 7" in view
+    assert "model.bin" in view and sha256_of(b"weights at step 7") in view
+    assert sealed.run_id in view
+
+    assert search(page, url, sealed.manifest) == "verified"
+    assert page.inner_text("#seed") == str(sealed.seed)
+    assert "predictions.csv" in page.inner_text("#view")
+    with page.expect_download() as download:
+        page.click("#replicate")
+    assert Path(download.value.path()).read_text() == sealed.replicate_sh
+
+
 def test_an_entry_by_index_shows_its_leaf_hash_and_proof(
     explorer_vault: VaultServer, sealed: SealedRun, page: Page
 ) -> None:
