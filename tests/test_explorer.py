@@ -11,6 +11,7 @@ import hashlib
 import json
 import random
 import shutil
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -622,7 +623,7 @@ def test_the_api_answers_what_the_ledgers_own_verifier_accepts(
         assert get(f"{url}api/entry?index=-1").status == 400
 
 
-def test_the_explorer_listens_only_on_loopback(tmp_path: Path) -> None:
+def test_the_explorer_listens_only_on_loopback_and_a_bad_port_is_one_line(tmp_path: Path) -> None:
     refused = run_vault(
         "serve",
         "--listen",
@@ -632,7 +633,19 @@ def test_the_explorer_listens_only_on_loopback(tmp_path: Path) -> None:
         env={"PINVAULT_DATA_DIR": str(tmp_path / "data")},
         state_home=tmp_path / "state",
     )
-    assert "in auth.mode 'local' it listens only on loopback, not 0.0.0.0" in (refused.error_line())
+    assert "in auth.mode 'local' it listens only on loopback, not 0.0.0.0" in refused.error_line()
+    env = {"PINVAULT_DATA_DIR": str(tmp_path / "data")}
+    bad = run_vault("serve", "--listen", "127.0.0.1:0", "--explorer-http", "nope", env=env)
+    assert bad.error_line() == (
+        "vault: INVALID_ARGUMENT: --explorer-http 'nope': expected [HOST:]PORT, PORT 0 to 65535"
+    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = run_vault("serve", "--listen", "127.0.0.1:0", "--explorer-http", str(port), env=env)
+    line = busy.error_line(alone=False)
+    assert line.startswith(f"vault: UNAVAILABLE: cannot serve explorer on 127.0.0.1:{port}: "), line
 
 
 # ---------------------------------------------------------------------- credentials
