@@ -554,6 +554,14 @@ def test_the_http_surface_is_read_only_bounded_and_strict(
     for path in ("/../etc/passwd", "/index.html", "/api", "/api/nothing", "/explorer.js/x"):
         assert get(url.rstrip("/") + path).status == 404, path
     assert get(url, method="POST").status == 405
+    # Another site whose name resolves to 127.0.0.1 (DNS rebinding) is refused; loopback names
+    # on any port (an SSH tunnel's) are not.
+    for host in ("evil.example", "evil.example:80", "127.0.0.1.evil.example", "[::1"):
+        rebound = get(url + "api/lookup?digest=" + sealed.image, {"Host": host})
+        assert rebound.status == 403, host
+        assert rebound.body == b"the explorer answers only to loopback host names\n"
+    for host in ("localhost:9000", "127.0.0.1", "127.1.2.3:80", "[::1]:8470", "LOCALHOST"):
+        assert get(url + "api/lookup?digest=" + sealed.image, {"Host": host}).status == 200, host
     assert get(url + "api/lookup?digest=" + "a" * 2000).status == 414
     bad = get(url + "api/lookup?digest=sha256:nothex")
     assert bad.status == 400

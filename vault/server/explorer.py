@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any, Final
@@ -41,6 +42,8 @@ MAX_BLOB_BYTES: Final = 16 * 1024 * 1024
 MAX_TARGET: Final = 1024
 
 JSON: Final = "application/json"
+_LOOPBACK_NAMES: Final = frozenset({"localhost", "[::1]"})
+_IPV4_LOOPBACK: Final = re.compile(r"127(?:\.(?:25[0-5]|2[0-4][0-9]|1?[0-9]?[0-9])){3}")
 # The page loads only its own script and style, talks only to its own origin, and cannot be
 # framed: ledger metadata is hostile text, and the page puts it in the document as text only.
 CSP: Final = (
@@ -92,6 +95,11 @@ class _Handler(ReadOnlyHandler):
         target = self.target()
         if len(target) > MAX_TARGET:
             self.answer(414, "request target too long\n", NOT_CACHED, body=body)
+            return
+        if not explorer.host_allowed(self.headers.get_all("Host") or []):
+            self.answer(
+                403, "the explorer answers only to loopback host names\n", NOT_CACHED, body=body
+            )
             return
         parts = urlsplit(target)
         page = explorer.page.get(target)
@@ -157,6 +165,18 @@ class ExplorerServer(Endpoint):
         self.content = content
         self.tokens = tokens
         self.page = load_page()
+
+    def host_allowed(self, hosts: Sequence[str]) -> bool:
+        """Whether the Host a request names is loopback (any port: an SSH tunnel picks its
+        own). Without credentials this is what keeps other web sites out: a page that makes
+        its own host name resolve to 127.0.0.1 (DNS rebinding) sends that name."""
+        if self.tokens is not None:
+            return True
+        if len(hosts) != 1:
+            return False
+        name = hosts[0].strip().lower()
+        name = name[: name.find("]") + 1] if name.startswith("[") else name.partition(":")[0]
+        return name in _LOOPBACK_NAMES or _IPV4_LOOPBACK.fullmatch(name) is not None
 
     def authorise(self, headers: Sequence[str]) -> None:
         if self.tokens is None:
