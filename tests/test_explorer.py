@@ -337,6 +337,11 @@ def _tamper_unpinned_document(answer: dict[str, Any]) -> str:
     return f"document {digest}: no verified entry shown names it"
 
 
+def _tamper_shape(answer: dict[str, Any]) -> str:
+    answer["entries"] = 5
+    return "the answer is malformed:"
+
+
 def _tamper_signature(answer: dict[str, Any]) -> str:
     note = answer["checkpoint"]
     head, _, line = note.rstrip("\n").rpartition("\n")
@@ -349,8 +354,15 @@ def _tamper_signature(answer: dict[str, Any]) -> str:
 
 @pytest.mark.parametrize(
     "tamper",
-    [_tamper_entry, _tamper_proof, _tamper_document, _tamper_unpinned_document, _tamper_signature],
-    ids=["entry", "proof", "document", "unpinned-document", "signature"],
+    [
+        _tamper_entry,
+        _tamper_proof,
+        _tamper_document,
+        _tamper_unpinned_document,
+        _tamper_signature,
+        _tamper_shape,
+    ],
+    ids=["entry", "proof", "document", "unpinned-document", "signature", "shape"],
 )
 def test_a_tampered_answer_shows_as_failed(
     explorer_vault: VaultServer,

@@ -590,7 +590,11 @@ function viewOf(checked, digest) {
   return [];
 }
 
+// Only the latest search shows its answer, however the answers arrive.
+let searches = 0;
+
 async function search(text) {
+  const turn = ++searches;
   const q = text.trim();
   $("search").value = q;
   if (location.hash.slice(1) !== encodeURIComponent(q)) history.replaceState(null, "", "#" + encodeURIComponent(q));
@@ -603,12 +607,20 @@ async function search(text) {
   try {
     answer = await api(byIndex ? `/api/entry?index=${byIndex[1]}` : `/api/lookup?digest=${encodeURIComponent(q)}`);
   } catch (error) {
-    status(error.message, true);
+    if (turn === searches) status(error.message, true);
     return;
   }
+  if (turn !== searches) return;
   if (!byIndex) query.digest = String(answer.query);
   status("Verifying …");
-  const checked = await verifyAnswer(answer, query);
+  let checked;
+  try {
+    checked = await verifyAnswer(answer, query);
+  } catch (error) {
+    // An answer not even shaped like one: nothing of it is shown.
+    checked = { failures: [`the answer is malformed: ${error.message}`], entries: [] };
+  }
+  if (turn !== searches) return;
   showVerdict(checked, answer);
   showEntries(checked);
   status("");
