@@ -294,11 +294,23 @@ def test_a_dataset_whose_manifest_rotted_shows_why_it_cannot_be_listed(
     assert "a.txt" not in view
 
 
-def test_hostile_metadata_is_shown_as_text(
-    explorer_vault: VaultServer, sealed: SealedRun, page: Page
+def test_hostile_metadata_and_file_names_are_shown_as_text(
+    explorer_vault: VaultServer, sealed: SealedRun, page: Page, tmp_path: Path
 ) -> None:
-    assert search(page, explorer_url(explorer_vault), sealed.hostile_image) == "verified"
+    url = explorer_url(explorer_vault)
+    assert search(page, url, sealed.hostile_image) == "verified"
     assert HOSTILE in page.inner_text("#entries")
+    assert page.locator("img").count() == 0
+    assert page.title() == "pinvault ledger explorer"
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / HOSTILE).write_bytes(b"a file with a hostile name\n")
+    with explorer_vault.client() as client:
+        digest = add_dataset(client, tmp_path / "data", name=HOSTILE).digest
+    assert search(page, url, digest) == "verified"
+    view = page.inner_text("#view")
+    assert f"Dataset {HOSTILE}" in view
+    assert HOSTILE + "\t27\t" in view  # the file's path and size, as text
     assert page.locator("img").count() == 0
     assert page.title() == "pinvault ledger explorer"
 
