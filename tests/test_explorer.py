@@ -226,7 +226,7 @@ def test_a_search_finds_a_run_with_its_inputs_outputs_and_verified_proofs(
 
     # The download is the very replicate.sh the run library wrote beside the run's outputs.
     with page.expect_download() as download:
-        page.click("#replicate")
+        page.click(".replicate")
     assert download.value.suggested_filename == "replicate.sh"
     assert Path(download.value.path()).read_text() == sealed.replicate_sh
 
@@ -255,8 +255,43 @@ def test_a_checkpoint_and_a_run_manifest_are_shown_by_their_digests(
     assert page.inner_text("#seed") == str(sealed.seed)
     assert "predictions.csv" in page.inner_text("#view")
     with page.expect_download() as download:
-        page.click("#replicate")
+        page.click(".replicate")
     assert Path(download.value.path()).read_text() == sealed.replicate_sh
+
+
+def test_a_job_arrays_run_shows_each_tasks_manifest_and_replicate_sh(
+    explorer_vault: VaultServer, sealed: SealedRun, page: Page, tmp_path: Path
+) -> None:
+    seed = random.getrandbits(64)
+    with explorer_vault.client() as client:
+        admission = client.admit(
+            image=sealed.image, dataset=sealed.dataset, seed=seed, team="vision"
+        )
+    scripts = {}
+    for task in ("0", "1"):
+        env = {
+            "PINVAULT_RUN_ID": admission.run_id,
+            "PINVAULT_SEED": str(seed),
+            "PINVAULT_IMAGE": sealed.image,
+            "PINVAULT_DATASET": sealed.dataset,
+            "PINVAULT_CLIENT_SERVER": explorer_vault.address,
+            "PINVAULT_CLIENT_STATE_FILE": str(tmp_path / "trust.json"),
+            "SLURM_ARRAY_TASK_ID": task,
+        }
+        with (
+            start(environ=env, output_dir=tmp_path / task) as run,
+            run.output(f"part-{task}.csv") as f,
+        ):
+            f.write(b"task %s\n" % task.encode())
+        scripts[task] = (tmp_path / task / "replicate.sh").read_text()
+    assert search(page, explorer_url(explorer_vault), admission.run_id) == "verified"
+    assert page.locator("#view h2.task").all_inner_texts() == ["Task 0", "Task 1"]
+    view = page.inner_text("#view")
+    assert "part-0.csv" in view and "part-1.csv" in view
+    for number, task in enumerate(("0", "1")):
+        with page.expect_download() as download:
+            page.locator(".replicate").nth(number).click()
+        assert Path(download.value.path()).read_text() == scripts[task]
 
 
 def test_an_entry_by_index_shows_its_leaf_hash_and_proof(

@@ -38,6 +38,8 @@ MAX_ENTRIES: Final = 1000
 # A blob larger than this is named but not sent (the page says so): the browser hashes every
 # byte it shows, and a dataset of a million files has a manifest of ~150 MiB.
 MAX_BLOB_BYTES: Final = 16 * 1024 * 1024
+# Of a job array's tasks, the manifests of this many are sent.
+MAX_TASK_MANIFESTS: Final = 16
 # Longer request targets are refused before they are parsed (a digest query is ~90 bytes).
 MAX_TARGET: Final = 1024
 
@@ -292,8 +294,10 @@ class ExplorerServer(Endpoint):
         if admitted is not None:
             wanted.append(digest)
             team = admitted.meta.get("team", "")
-            sealed = [
-                e.subjects[0]
+            # The latest manifest of each task (one, but for a job array), as `vault run
+            # export` reads them: sealed for the run by its own team, not by a replay.
+            latest = {
+                e.meta.get("task", ""): e.subjects[0]
                 for e in decoded
                 if e.kind == "run"
                 and e.meta.get("stage") == "manifest"
@@ -301,9 +305,8 @@ class ExplorerServer(Endpoint):
                 and team
                 and e.meta.get("team") == team
                 and "replay" not in e.meta
-            ]
-            if sealed:
-                wanted.append(sealed[-1])
+            }
+            wanted.extend(latest[task] for task in sorted(latest)[:MAX_TASK_MANIFESTS])
         elif any(
             e.subjects[0] == digest
             and (

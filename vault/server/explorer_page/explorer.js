@@ -491,7 +491,7 @@ function runManifestParts(manifest, digest) {
     ...rowsOf(env.variables || {})].map(([k, v]) => [String(k), String(v ?? "")]);
   parts.push(section("Environment", table(["", ""], envRows)));
   const script = `#!/bin/sh\nexec vault replay ${digest} "$@"\n`;
-  const link = el("a", { id: "replicate", download: "replicate.sh", text: "replicate.sh" });
+  const link = el("a", { class: "replicate", download: "replicate.sh", text: "replicate.sh" });
   link.href = URL.createObjectURL(new Blob([script], { type: "text/x-shellscript" }));
   parts.push(section("Run manifest",
     el("p", {}, "Manifest ", digestLink(digest), ` for run `, digestLink(String(manifest.run)),
@@ -533,14 +533,21 @@ function viewRun(checked, runId, admission) {
       own.filter((e) => e.kind === "checkpoint").map((e) => [String(e.meta.step), digestLink(e.subjects[0])]))));
     return parts;
   }
-  const digest = sealed[sealed.length - 1].subjects[0];
-  const manifest = documentOf(checked, digest, "run manifest");
-  if (manifest.error) {
-    parts.push(el("p", { class: "error", text: manifest.error }));
-  } else if (manifest.value.run !== runId) {
-    parts.push(el("p", { class: "error", text: `run manifest ${digest} is of run ${manifest.value.run}` }));
-  } else {
-    parts.push(...runManifestParts(manifest.value, digest).parts);
+  // The latest manifest of each task: one, but for a job array, whose tasks seal their own.
+  const latest = new Map();
+  for (const e of sealed) latest.set(String(e.meta.task ?? ""), e.subjects[0]);
+  const tasks = [...latest.keys()].sort((a, b) => Number(a) - Number(b) || a.localeCompare(b));
+  for (const task of tasks) {
+    const digest = latest.get(task);
+    if (task !== "") parts.push(el("h2", { class: "task", text: `Task ${task}` }));
+    const manifest = documentOf(checked, digest, "run manifest");
+    if (manifest.error) {
+      parts.push(el("p", { class: "error", text: manifest.error }));
+    } else if (manifest.value.run !== runId) {
+      parts.push(el("p", { class: "error", text: `run manifest ${digest} is of run ${manifest.value.run}` }));
+    } else {
+      parts.push(...runManifestParts(manifest.value, digest).parts);
+    }
   }
   return parts;
 }
