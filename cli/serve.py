@@ -31,6 +31,12 @@ def add_serve_command(sub: Any) -> None:
         help="also serve Prometheus metrics over HTTP at /metrics "
         "(host 127.0.0.1 unless given; port 0 picks one)",
     )
+    p.add_argument(
+        "--explorer-http",
+        metavar="[HOST:]PORT",
+        help="also serve the ledger explorer, a read-only web page that verifies what it "
+        "shows in the browser (loopback only; port 0 picks one)",
+    )
     p.set_defaults(func=_serve)
 
 
@@ -39,6 +45,9 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
 
     tiles = None if args.tiles_http is None else _host_port("--tiles-http", args.tiles_http)
     metrics = None if args.metrics_port is None else _host_port("--metrics-port", args.metrics_port)
+    explorer = (
+        None if args.explorer_http is None else _host_port("--explorer-http", args.explorer_http)
+    )
     serve(
         config,
         args.listen,
@@ -46,6 +55,7 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
         stopping=_print_stopping,
         tiles_http=tiles,
         metrics_http=metrics,
+        explorer_http=explorer,
     )
     return 0
 
@@ -73,6 +83,8 @@ def _print_serving(serving: Serving) -> None:
         print(f"  tiles (C2SP tlog-tiles) at {serving.tiles_url}", flush=True)
     if serving.metrics_url is not None:
         print(f"  metrics (Prometheus) at {serving.metrics_url}", flush=True)
+    if serving.explorer_url is not None:
+        print(f"  explorer at {serving.explorer_url}", flush=True)
     if serving.fault is not None:
         print(
             f"  WARNING: the stored ledger fails its check ({serving.fault}); appends and proofs "

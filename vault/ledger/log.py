@@ -631,10 +631,14 @@ class Ledger:
         "WHERE s.digest = ? ORDER BY s.idx"
     )
 
-    def entries_naming(self, digest: str) -> list[StoredEntry]:
+    def entries_naming(self, digest: str, limit: int | None = None) -> list[StoredEntry]:
         """Entries naming one digest, in index order (a look-up's query: the subjects index
-        gives the order, where `entries_for`'s IN list needs a sort)."""
-        rows = self.db.fetch(self._NAMING, (digest_key(digest),))
+        gives the order, where `entries_for`'s IN list needs a sort); the first `limit` only,
+        if given."""
+        if limit is None:
+            rows = self.db.fetch(self._NAMING, (digest_key(digest),))
+        else:
+            rows = self.db.fetch(self._NAMING + " LIMIT ?", (digest_key(digest), limit))
         return [StoredEntry(idx, bytes(body)) for idx, body in rows]
 
     def entries_for(self, digests: Iterable[str]) -> dict[str, list[StoredEntry]]:

@@ -25,6 +25,7 @@ from vault.server.assembly import open_content_store
 from vault.server.auth import MODES, Gate
 from vault.server.content import Content
 from vault.server.database import open_ledger_database
+from vault.server.explorer import ExplorerServer
 from vault.server.folder_lock import make_data_folder, only_server
 from vault.server.gatekeeper import Gatekeeper, Limits
 from vault.server.metrics import ScrubWatch, Sources, serve_metrics
@@ -67,6 +68,8 @@ class Serving:
     tiles_url: str | None = None
     # Where the Prometheus metrics are served over HTTP, if they are.
     metrics_url: str | None = None
+    # Where the ledger explorer's page is served over HTTP, if it is.
+    explorer_url: str | None = None
 
 
 def load_or_create_key(config: Config) -> SigningKey:
@@ -132,6 +135,27 @@ def check_access(config: Config, listen: str) -> None:
     )
 
 
+def check_explorer_access(config: Config, host: str) -> None:
+    """The explorer is plain HTTP: in local mode it asks nobody who they are, and with
+    credentials the bearer tokens its callers send would cross the network in plain text, so it
+    listens on loopback only (reach it from elsewhere through an SSH tunnel), unless
+    server.allow_plaintext_credentials says that is accepted."""
+    if host in _LOOPBACK:
+        return
+    if config.auth.mode == "local":
+        raise ConfigError(
+            f"the explorer shows the whole ledger to whoever connects, so in auth.mode 'local' "
+            f"it listens only on loopback, not {host}: use an SSH tunnel, or set "
+            "auth.mode = 'credentials'"
+        )
+    if not config.server.allow_plaintext_credentials:
+        raise ConfigError(
+            f"the explorer on {host} would receive bearer tokens over plain HTTP: listen on "
+            "loopback and reach it through an SSH tunnel"
+        )
+    log.warning("SERVING THE EXPLORER'S BEARER TOKENS IN PLAIN TEXT on %s", host)
+
+
 def open_desk(config: Config) -> Desk | None:
     """The handoff socket for clients on this host, unless turned off or impossible here."""
     if not config.server.handoff:
@@ -151,13 +175,16 @@ def serve(
     stopping: Callable[[], None],
     tiles_http: tuple[str, int] | None = None,
     metrics_http: tuple[str, int] | None = None,
+    explorer_http: tuple[str, int] | None = None,
 ) -> None:
     """Serve the vault `config` describes on `listen` (default server.listen) until SIGTERM or
-    SIGINT, its tiles read-only over HTTP on `tiles_http` (host, port) if given, and its
-    Prometheus metrics on `metrics_http` if given; `started` is told where once it listens,
-    `stopping` when a signal came."""
+    SIGINT, its tiles read-only over HTTP on `tiles_http` (host, port) if given, its
+    Prometheus metrics on `metrics_http` and the ledger explorer on `explorer_http` if given;
+    `started` is told where once it listens, `stopping` when a signal came."""
     listen = listen or config.server.listen
     check_access(config, listen)
+    if explorer_http is not None:
+        check_explorer_access(config, explorer_http[0])
     tls = server_credentials(config)
     witnesses = configured_witnesses(config)
     # Nothing the vault writes (its database and journals, keys, blobs, the handoff socket) is
@@ -177,6 +204,7 @@ def serve(
             stopping=stopping,
             tiles_http=tiles_http,
             metrics_http=metrics_http,
+            explorer_http=explorer_http,
         )
 
 
@@ -190,6 +218,7 @@ def _serve_folder(
     stopping: Callable[[], None],
     tiles_http: tuple[str, int] | None,
     metrics_http: tuple[str, int] | None,
+    explorer_http: tuple[str, int] | None,
 ) -> None:
     key = load_or_create_key(config)
     db = open_ledger_database(config)
@@ -233,9 +262,12 @@ def _serve_folder(
     if scrub is not None and metrics_http is not None:
         scrub = watch.watch(scrub)
     metrics = None
+    explorer = None
     try:
         if metrics_http is not None:
             metrics = serve_metrics(Sources(ledger, content, store, workers, watch), metrics_http)
+        if explorer_http is not None:
+            explorer = ExplorerServer(ledger, content, *explorer_http, tokens=tokens).start()
         asyncio.run(
             _serve(
                 config,
@@ -252,9 +284,12 @@ def _serve_folder(
                 stopping=stopping,
                 tiles_url=None if tiles is None else tiles.url,
                 metrics_url=None if metrics is None else metrics.url,
+                explorer_url=None if explorer is None else explorer.url,
             )
         )
     finally:
+        if explorer is not None:
+            explorer.stop()
         if metrics is not None:
             metrics.stop()
         if tiles is not None:
@@ -291,6 +326,7 @@ async def _serve(
     stopping: Callable[[], None],
     tiles_url: str | None,
     metrics_url: str | None,
+    explorer_url: str | None,
 ) -> None:
     loop = asyncio.get_running_loop()
     # Blocking work (disk, hashing, PostgreSQL) runs on these threads, off the event loop.
@@ -327,6 +363,7 @@ async def _serve(
             fault=None if ledger.fault is None else str(ledger.fault),
             tiles_url=tiles_url,
             metrics_url=metrics_url,
+            explorer_url=explorer_url,
         )
     )
     stop = asyncio.Event()

@@ -1,0 +1,346 @@
+"""The ledger explorer: a read-only web page and its JSON API on the vault's bounded HTTP server.
+The API answers with entries' exact bytes, their inclusion proofs, the signed checkpoint and the
+blobs a view shows (inputs documents, run, dataset and checkpoint manifests), so that the page
+verifies everything it shows in the browser before it shows it."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import re
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any, Final
+from urllib.parse import parse_qs, urlsplit
+
+from vault.digest import Digest, check_digest
+from vault.errors import (
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    QuotaExceeded,
+    Unauthenticated,
+    VaultError,
+)
+from vault.ledger.entry import Entry
+from vault.ledger.log import Ledger
+from vault.ledger.records import StoredEntry
+from vault.server.auth import Authenticator
+from vault.server.content import Content
+from vault.server.http_endpoint import NOT_CACHED, Endpoint, ReadOnlyHandler
+
+log = logging.getLogger(__name__)
+
+# What one answer carries at most: of a digest named by more entries (an image every run
+# uses) the first ones are shown, and the page says there are more.
+MAX_ENTRIES: Final = 1000
+# A blob larger than this is named but not sent (the page says so): the browser hashes every
+# byte it shows, and a dataset of a million files has a manifest of ~150 MiB.
+MAX_BLOB_BYTES: Final = 16 * 1024 * 1024
+# Of a job array's tasks, the manifests of this many are sent.
+MAX_TASK_MANIFESTS: Final = 16
+# Longer request targets are refused before they are parsed (a digest query is ~90 bytes).
+MAX_TARGET: Final = 1024
+
+JSON: Final = "application/json"
+_LOOPBACK_NAMES: Final = frozenset({"localhost", "[::1]"})
+_IPV4_LOOPBACK: Final = re.compile(r"127(?:\.(?:25[0-5]|2[0-4][0-9]|1?[0-9]?[0-9])){3}")
+# The page loads only its own script and style, talks only to its own origin, and cannot be
+# framed: ledger metadata is hostile text, and the page puts it in the document as text only.
+CSP: Final = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+
+_PAGE_FILES: Final = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/explorer.js": ("explorer.js", "text/javascript; charset=utf-8"),
+    "/explorer.css": ("explorer.css", "text/css; charset=utf-8"),
+}
+
+_STATUS: Final[Sequence[tuple[type[VaultError], int]]] = (
+    (Unauthenticated, 401),
+    (PermissionDenied, 403),
+    (QuotaExceeded, 429),
+    (NotFound, 404),
+    (InvalidArgument, 400),
+)
+
+
+def load_page() -> dict[str, tuple[bytes, str]]:
+    """The page's files (shipped as package data beside this module), by the path served."""
+    folder = resources.files("vault.server").joinpath("explorer_page")
+    return {
+        path: (folder.joinpath(name).read_bytes(), content_type)
+        for path, (name, content_type) in _PAGE_FILES.items()
+    }
+
+
+class _Handler(ReadOnlyHandler):
+    server_version = "pinvault-explorer"
+
+    def end_headers(self) -> None:
+        # A browser keeps idle connections open, each holding one of the server's few slots
+        # until its read times out; one request a connection leaves the slots to requests.
+        self.send_header("Connection", "close")
+        self.close_connection = True
+        self.send_header("Content-Security-Policy", CSP)
+        self.send_header("Referrer-Policy", "no-referrer")
+        self.send_header("X-Frame-Options", "DENY")
+        self.send_header("Cross-Origin-Resource-Policy", "same-origin")
+        super().end_headers()
+
+    def respond(self, *, body: bool) -> None:
+        explorer = self.server.endpoint
+        assert isinstance(explorer, ExplorerServer)
+        target = self.target()
+        if len(target) > MAX_TARGET:
+            self.answer(414, "request target too long\n", NOT_CACHED, body=body)
+            return
+        if not explorer.host_allowed(self.headers.get_all("Host") or []):
+            self.answer(
+                403, "the explorer answers only to loopback host names\n", NOT_CACHED, body=body
+            )
+            return
+        parts = urlsplit(target)
+        page = explorer.page.get(target)
+        if page is not None:
+            data, content_type = page
+            self.answer(200, data, NOT_CACHED, content_type=content_type, body=body)
+            return
+        if target == "/favicon.ico":
+            # Asked by every browser; the page has none.
+            self.answer(204, b"", NOT_CACHED, body=body)
+            return
+        if not parts.path.startswith("/api/") or target.startswith("//"):
+            self.answer(404, "not found\n", NOT_CACHED, body=body)
+            return
+        try:
+            explorer.authorise(self.headers.get_all("Authorization") or [])
+            query = _query(parts.query)
+            answer = explorer.api(parts.path, query)
+        except VaultError as exc:
+            status = next((code for kind, code in _STATUS if isinstance(exc, kind)), 503)
+            self._json(status, {"error": str(exc)}, body=body)
+            return
+        self._json(200, answer, body=body)
+
+    def _json(self, status: int, value: Any, *, body: bool) -> None:
+        data = json.dumps(value, separators=(",", ":"), ensure_ascii=True).encode()
+        self.answer(status, data, NOT_CACHED, content_type=JSON, body=body)
+
+
+def _query(text: str) -> dict[str, str]:
+    try:
+        fields = parse_qs(text, strict_parsing=bool(text), max_num_fields=4)
+    except ValueError:
+        raise InvalidArgument("malformed query string") from None
+    if any(len(values) != 1 for values in fields.values()):
+        raise InvalidArgument("a query parameter is given more than once")
+    return {name: values[0] for name, values in fields.items()}
+
+
+class ExplorerServer(Endpoint):
+    """The explorer's page and API for `ledger` and `content` on `host`:`port` (port 0: one the
+    system picks). With `tokens` (auth.mode = credentials), every API call must carry
+    `Authorization: Bearer <token>` of a token whose role may read, so the page shows nobody
+    more than `vault lookup` and `vault get` would; the page's own files hold no data and are
+    served to anyone."""
+
+    what = "explorer"
+    handler = _Handler
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        content: Content,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        tokens: Authenticator | None = None,
+        threads: int = 8,
+        timeout: float = 10.0,
+    ) -> None:
+        super().__init__(host, port, threads=threads, timeout=timeout)
+        self.ledger = ledger
+        self.content = content
+        self.tokens = tokens
+        self.page = load_page()
+
+    def host_allowed(self, hosts: Sequence[str]) -> bool:
+        """Whether the Host a request names is loopback (any port: an SSH tunnel picks its
+        own). Without credentials this is what keeps other web sites out: a page that makes
+        its own host name resolve to 127.0.0.1 (DNS rebinding) sends that name."""
+        if self.tokens is not None:
+            return True
+        if len(hosts) != 1:
+            return False
+        name = hosts[0].strip().lower()
+        name = name[: name.find("]") + 1] if name.startswith("[") else name.partition(":")[0]
+        return name in _LOOPBACK_NAMES or _IPV4_LOOPBACK.fullmatch(name) is not None
+
+    def authorise(self, headers: Sequence[str]) -> None:
+        if self.tokens is None:
+            return
+        if len(headers) != 1:
+            raise Unauthenticated(
+                "this vault asks for credentials: give a bearer token (`vault token create`)"
+            )
+        scheme, _, token = headers[0].partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthenticated("the Authorization header is not 'Bearer <token>'")
+        who = self.tokens.authenticate(token.strip())
+        if not who.may("read"):
+            raise PermissionDenied(f"{who.name} (role {who.role}) may not read the ledger")
+
+    def api(self, path: str, query: dict[str, str]) -> dict[str, Any]:
+        if path == "/api/vault":
+            _only(query)
+            return {
+                "verifier": str(self.ledger.verifier),
+                "size": self.ledger.size,
+                "credentials": self.tokens is not None,
+            }
+        if path == "/api/lookup":
+            _only(query, "digest")
+            return self.lookup(query.get("digest", ""))
+        if path == "/api/entry":
+            _only(query, "index")
+            return self.entry(query.get("index", ""))
+        if path == "/api/consistency":
+            _only(query, "old", "new")
+            return self.consistency(query.get("old", ""), query.get("new", ""))
+        raise NotFound(f"no such API call: {path}")
+
+    def consistency(self, old: str, new: str) -> dict[str, Any]:
+        """The proof that the tree of `old` entries is a prefix of the tree of `new`, for a
+        browser that verified a checkpoint of one size before and sees another now."""
+        sizes = []
+        for name, text in (("old", old), ("new", new)):
+            if not text.isdigit() or len(text) > 16:
+                raise InvalidArgument(f"{name} is a tree size, not {text[:40]!r}")
+            sizes.append(int(text))
+        return {"proof": [_b64(h) for h in self.ledger.consistency_proof(*sizes)]}
+
+    def lookup(self, text: str) -> dict[str, Any]:
+        """The entries naming a digest (a blake3 alias: its blob's), each with its proof, and
+        the blobs the page's view of it needs."""
+        digest = check_digest(text.strip())
+        keys = [digest]
+        if not digest.startswith("sha256:"):
+            found = self.content.find(Digest.parse(digest))
+            if found is not None:
+                keys.append(str(found.info.sha256))
+        named: dict[int, StoredEntry] = {}
+        for key in keys:
+            for stored in self.ledger.entries_naming(key, MAX_ENTRIES + 1):
+                named[stored.index] = stored
+        if not named:
+            raise NotFound(f"no entry names {digest}")
+        entries = [named[i] for i in sorted(named)][:MAX_ENTRIES]
+        more = len(named) > MAX_ENTRIES
+        sha256 = keys[-1]
+        if more:
+            # A long run's manifest pin may come after its first entries; its `run` entries
+            # (admission, manifests) are few, so they are all sent.
+            shown = {e.index for e in entries}
+            extra = [e for e, _ in self.ledger.pins_of_kind(sha256, "run") if e.index not in shown]
+            entries = sorted(entries + extra[:MAX_ENTRIES], key=lambda e: e.index)
+        return self._answer(sha256, entries, self._blobs_for(sha256, entries), more=more)
+
+    def entry(self, text: str) -> dict[str, Any]:
+        if not text.isdigit() or len(text) > 16:
+            raise InvalidArgument(f"an entry index is a number, not {text[:40]!r}")
+        stored = self.ledger.entry(int(text))
+        return self._answer(f"#{int(text)}", [stored], {}, more=False)
+
+    def _answer(
+        self, query: str, entries: list[StoredEntry], blobs: dict[str, Any], *, more: bool
+    ) -> dict[str, Any]:
+        signed = self.ledger.checkpoint(max(e.index for e in entries) + 1)
+        proof = self.ledger.inclusion_proof
+        return {
+            "query": query,
+            "verifier": str(self.ledger.verifier),
+            "checkpoint": signed.note,
+            # More entries name it than an answer carries.
+            "more": more,
+            "entries": [
+                {
+                    "index": e.index,
+                    "body": _b64(e.body),
+                    "proof": [_b64(h) for h in proof(e.index, signed.size)],
+                }
+                for e in entries
+            ],
+            "blobs": blobs,
+        }
+
+    def _blobs_for(self, digest: str, entries: list[StoredEntry]) -> dict[str, Any]:
+        """The documents a view of `digest` shows: its own bytes when an entry pins it as a
+        run's inputs, a run, dataset or checkpoint manifest; for a run id, also its team's
+        latest run manifest. Each is a base64 string, or an object saying why it is left out."""
+        decoded = [Entry.decode(e.body) for e in entries]
+        wanted: list[str] = []
+        admitted = next(
+            (
+                e
+                for e in decoded
+                if e.kind == "run" and e.meta.get("stage") == "admitted" and e.subjects[0] == digest
+            ),
+            None,
+        )
+        if admitted is not None:
+            wanted.append(digest)
+            team = admitted.meta.get("team", "")
+            # The latest manifest of each task (one, but for a job array), as `vault run
+            # export` reads them: sealed for the run by its own team, not by a replay.
+            latest = {
+                e.meta.get("task", ""): e.subjects[0]
+                for e in decoded
+                if e.kind == "run"
+                and e.meta.get("stage") == "manifest"
+                and digest in e.subjects[1:]
+                and team
+                and e.meta.get("team") == team
+                and "replay" not in e.meta
+            }
+            wanted.extend(latest[task] for task in sorted(latest)[:MAX_TASK_MANIFESTS])
+        elif any(
+            e.subjects[0] == digest
+            and (
+                e.kind in ("dataset", "checkpoint")
+                or (e.kind == "run" and e.meta.get("stage") == "manifest")
+            )
+            for e in decoded
+        ):
+            wanted.append(digest)
+        return {d: self._blob(d) for d in dict.fromkeys(wanted)}
+
+    def _blob(self, digest: str) -> Any:
+        found = self.content.find(Digest.parse(digest))
+        if found is None:
+            return {"missing": f"blob {digest} is not in the vault's content store"}
+        if found.info.size > MAX_BLOB_BYTES:
+            return {
+                "missing": f"blob {digest} is {found.info.size} bytes, more than the explorer "
+                f"shows ({MAX_BLOB_BYTES}): fetch it with `vault get`"
+            }
+        # Each chunk was checked against the blob's digest by the store before it came here;
+        # a blob no good copy of is left out, and the page says why.
+        try:
+            _, chunks = self.content.read(found)
+            return _b64(b"".join(chunk.data for chunk in chunks))
+        except VaultError as exc:
+            return {"missing": f"blob {digest} cannot be read: {exc}"}
+
+
+def _only(query: dict[str, str], *names: str) -> None:
+    unknown = sorted(set(query) - set(names))
+    if unknown:
+        raise InvalidArgument(f"unknown query parameter {unknown[0][:40]!r}")
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()

@@ -1,0 +1,671 @@
+// The pinvault ledger explorer: asks the vault's read-only API, verifies every answer here in
+// the browser (leaf hashes, RFC 9162 inclusion proofs, the checkpoint's Ed25519 signature,
+// documents against their digests) and only then shows it. Ledger text is hostile: it reaches
+// the page through textContent only, never as markup.
+"use strict";
+
+const enc = new TextEncoder();
+const strictUtf8 = new TextDecoder("utf-8", { fatal: true });
+const ROWS_SHOWN = 500;
+
+// ------------------------------------------------------------------ bytes and hashes
+
+function b64decode(text) {
+  if (typeof text !== "string" || !/^[A-Za-z0-9+/]*={0,2}$/.test(text) || text.length % 4) {
+    throw new Error("malformed base64");
+  }
+  const raw = atob(text);
+  const out = new Uint8Array(raw.length);
+  for (let i = 0; i < raw.length; i++) out[i] = raw.charCodeAt(i);
+  return out;
+}
+
+function b64encode(bytes) {
+  let raw = "";
+  for (const b of bytes) raw += String.fromCharCode(b);
+  return btoa(raw);
+}
+
+function hex(bytes) {
+  return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+function concat(...parts) {
+  const out = new Uint8Array(parts.reduce((n, p) => n + p.length, 0));
+  let at = 0;
+  for (const p of parts) {
+    out.set(p, at);
+    at += p.length;
+  }
+  return out;
+}
+
+function equal(a, b) {
+  return a.length === b.length && a.every((x, i) => x === b[i]);
+}
+
+async function sha256(bytes) {
+  return new Uint8Array(await crypto.subtle.digest("SHA-256", bytes));
+}
+
+const leafHash = (body) => sha256(concat(Uint8Array.of(0), body));
+const nodeHash = (left, right) => sha256(concat(Uint8Array.of(1), left, right));
+
+// RFC 9162 §2.1.3.2: the root that leaf `index` of a tree of `size` leaves reaches through
+// `path`, or null when the path does not fit the position. Halving by division, not shifts,
+// keeps indexes above 2^31 exact.
+async function rootFromInclusionProof(index, size, leaf, path) {
+  if (!(index < size)) return null;
+  let fn = index;
+  let sn = size - 1;
+  let r = leaf;
+  for (const p of path) {
+    if (sn === 0) return null;
+    if (fn % 2 === 1 || fn === sn) {
+      r = await nodeHash(p, r);
+      while (fn % 2 === 0 && fn !== 0) {
+        fn = Math.floor(fn / 2);
+        sn = Math.floor(sn / 2);
+      }
+    } else {
+      r = await nodeHash(r, p);
+    }
+    fn = Math.floor(fn / 2);
+    sn = Math.floor(sn / 2);
+  }
+  return sn === 0 ? r : null;
+}
+
+// RFC 8785 for the values entries and manifests hold (strings, integers, booleans, arrays,
+// objects): JSON.stringify already escapes strings exactly as JCS does.
+function canonical(value) {
+  if (Array.isArray(value)) return "[" + value.map(canonical).join(",") + "]";
+  if (value !== null && typeof value === "object") {
+    const keys = Object.keys(value).sort();
+    return "{" + keys.map((k) => JSON.stringify(k) + ":" + canonical(value[k])).join(",") + "}";
+  }
+  return JSON.stringify(value);
+}
+
+function parseCanonical(what, bytes) {
+  const text = strictUtf8.decode(bytes);
+  const value = JSON.parse(text);
+  if (!equal(enc.encode(canonical(value)), bytes)) {
+    throw new Error(`${what} is not in canonical form`);
+  }
+  return value;
+}
+
+function isPowerOfTwo(n) {
+  while (n > 1) {
+    if (n % 2 === 1) return false;
+    n /= 2;
+  }
+  return n === 1;
+}
+
+// RFC 9162 §2.1.4.2: whether `path` proves that the tree of `oldSize` leaves with root
+// `oldRoot` is a prefix of the tree of `newSize` leaves with root `newRoot`.
+async function consistent(oldSize, newSize, oldRoot, newRoot, path) {
+  if (oldSize > newSize) return false;
+  if (oldSize === newSize) return path.length === 0 && equal(oldRoot, newRoot);
+  if (oldSize === 0) return path.length === 0;
+  if (!path.length) return false;
+  const hashes = [...path];
+  if (isPowerOfTwo(oldSize)) hashes.unshift(oldRoot);
+  let fn = oldSize - 1;
+  let sn = newSize - 1;
+  while (fn % 2 === 1) {
+    fn = Math.floor(fn / 2);
+    sn = Math.floor(sn / 2);
+  }
+  let fr = hashes[0];
+  let sr = hashes[0];
+  for (const c of hashes.slice(1)) {
+    if (sn === 0) return false;
+    if (fn % 2 === 1 || fn === sn) {
+      fr = await nodeHash(c, fr);
+      sr = await nodeHash(c, sr);
+      while (fn % 2 === 0 && fn !== 0) {
+        fn = Math.floor(fn / 2);
+        sn = Math.floor(sn / 2);
+      }
+    } else {
+      sr = await nodeHash(sr, c);
+    }
+    fn = Math.floor(fn / 2);
+    sn = Math.floor(sn / 2);
+  }
+  return sn === 0 && equal(fr, oldRoot) && equal(sr, newRoot);
+}
+
+// ------------------------------------------------------------------ keys and checkpoints
+
+// A Go note verifier key: name+hex key id+base64(0x01 || Ed25519 public key), its key id
+// checked against the first four bytes of SHA-256(name || 0x0A || 0x01 || public key).
+async function parseVerifierKey(text) {
+  // The name holds no "+"; the base64 key may.
+  const match = /^([^+\s]+)\+([0-9a-f]{8})\+([A-Za-z0-9+/=]+)$/.exec(text);
+  if (!match) throw new Error("the verifier key is not name+keyid+key");
+  const [, name, keyId, encoded] = match;
+  const raw = b64decode(encoded);
+  if (raw.length !== 33 || raw[0] !== 1) throw new Error("the verifier key is not Ed25519");
+  const id = (await sha256(concat(enc.encode(name + "\n"), raw))).slice(0, 4);
+  if (hex(id) !== keyId) throw new Error("the verifier key's id does not match its key");
+  return { text, name, id, publicKey: raw.slice(1) };
+}
+
+// A C2SP signed note holding a tlog-checkpoint, its signature by `key` checked.
+async function openCheckpoint(note, key) {
+  const split = note.lastIndexOf("\n\n");
+  if (split < 0 || !note.endsWith("\n")) throw new Error("the checkpoint is not a signed note");
+  const body = note.slice(0, split + 1);
+  const signatures = note.slice(split + 2, -1).split("\n");
+  const mine = [];
+  for (const line of signatures) {
+    const match = /^\u2014 (\S+) ([A-Za-z0-9+/=]+)$/.exec(line);
+    if (!match) throw new Error("the checkpoint has a malformed signature line");
+    const raw = b64decode(match[2]);
+    if (match[1] === key.name && raw.length === 68 && equal(raw.slice(0, 4), key.id)) {
+      mine.push(raw.slice(4));
+    }
+  }
+  if (!mine.length) throw new Error(`the checkpoint has no signature by ${key.name}`);
+  let publicKey;
+  try {
+    publicKey = await crypto.subtle.importKey("raw", key.publicKey, { name: "Ed25519" }, false, [
+      "verify",
+    ]);
+  } catch (error) {
+    throw new Error(`this browser cannot check Ed25519 signatures (${error.message})`);
+  }
+  for (const signature of mine) {
+    const ok = await crypto.subtle.verify({ name: "Ed25519" }, publicKey, signature, enc.encode(body));
+    if (!ok) throw new Error(`the checkpoint's signature by ${key.name} is not valid`);
+  }
+  const lines = body.split("\n");
+  if (lines.length < 4 || !/^(0|[1-9][0-9]{0,15})$/.test(lines[1])) {
+    throw new Error("the checkpoint body is malformed");
+  }
+  const root = b64decode(lines[2]);
+  if (root.length !== 32 || b64encode(root) !== lines[2]) {
+    throw new Error("the checkpoint's root is not 32 bytes in canonical base64");
+  }
+  if (lines[0] !== key.name) {
+    throw new Error(`the checkpoint is of ledger ${lines[0]}, not ${key.name}`);
+  }
+  return { origin: lines[0], size: Number(lines[1]), root };
+}
+
+// The largest checkpoint this browser verified of the vault with this key is kept, and every
+// later one must extend it (a consistency proof checked here): a vault that rewrites or rolls
+// back its history is caught by the page as by the `vault` command.
+const seenKey = (key) => "pinvault-checkpoint:" + key.text;
+
+async function checkHistory(key, checkpoint) {
+  let seen = null;
+  try {
+    seen = JSON.parse(localStorage.getItem(seenKey(key)) || "null");
+  } catch {
+    seen = null;
+  }
+  const remember = () => localStorage.setItem(
+    seenKey(key), JSON.stringify({ size: checkpoint.size, root: b64encode(checkpoint.root) }));
+  if (!seen || !Number.isSafeInteger(seen.size) || typeof seen.root !== "string") {
+    remember();
+    return "the first checkpoint this browser has verified of this vault";
+  }
+  const seenRoot = b64decode(seen.root);
+  const [older, newer] = seen.size <= checkpoint.size
+    ? [{ size: seen.size, root: seenRoot }, checkpoint] : [checkpoint, { size: seen.size, root: seenRoot }];
+  let path = [];
+  if (older.size !== newer.size && older.size !== 0) {
+    const answer = await api(`/api/consistency?old=${older.size}&new=${newer.size}`);
+    path = (answer.proof || []).map(b64decode);
+  }
+  if (!(await consistent(older.size, newer.size, older.root, newer.root, path))) {
+    throw new Error(`the vault's tree of size ${checkpoint.size} (root ${b64encode(checkpoint.root)}) ` +
+      `does not extend the tree of size ${seen.size} (root ${seen.root}) this browser verified before: ` +
+      "the vault rewrote or forked its history");
+  }
+  if (checkpoint.size > seen.size) remember();
+  return `consistent with the checkpoint of size ${seen.size} this browser verified before ` +
+    (older.size === newer.size ? "(the same root)" : "(consistency proof checked in this browser)");
+}
+
+// ------------------------------------------------------------------ verifying an answer
+
+// Every check the page makes of one API answer. `failures` empty means all of it held.
+async function verifyAnswer(answer, query) {
+  const failures = [];
+  const result = { failures, entries: [], blobs: {}, missing: {}, checkpoint: null, key: null };
+  try {
+    result.key = await parseVerifierKey(String(answer.verifier));
+    const pinned = settings.pinnedKey();
+    if (pinned && pinned !== result.key.text) {
+      throw new Error(`the vault's verifier key is ${result.key.text}, not the expected ${pinned}`);
+    }
+    result.checkpoint = await openCheckpoint(String(answer.checkpoint), result.key);
+  } catch (error) {
+    failures.push(`checkpoint: ${error.message}`);
+  }
+  if (result.checkpoint) {
+    try {
+      result.history = await checkHistory(result.key, result.checkpoint);
+    } catch (error) {
+      failures.push(`checkpoint: ${error.message}`);
+      result.checkpoint = null;
+    }
+  }
+  for (const item of answer.entries || []) {
+    const shown = { index: item.index, ok: false, problem: "", entry: null };
+    result.entries.push(shown);
+    try {
+      const body = b64decode(item.body);
+      const entry = parseCanonical(`entry ${item.index}`, body);
+      if (entry === null || typeof entry !== "object" || !Array.isArray(entry.subjects) ||
+          entry.meta === null || typeof entry.meta !== "object") {
+        throw new Error("its body is not an entry");
+      }
+      shown.entry = entry;
+      if (entry.index !== item.index) {
+        throw new Error(`its body says index ${entry.index}`);
+      }
+      if (query.digest && !(entry.subjects || []).includes(query.digest)) {
+        throw new Error(`it does not name ${query.digest}`);
+      }
+      if (query.index !== undefined && entry.index !== query.index) {
+        throw new Error(`it is not entry ${query.index}`);
+      }
+      shown.leaf = await leafHash(body);
+      shown.proof = item.proof.map(b64decode);
+      if (!result.checkpoint) throw new Error("no verified checkpoint to check it against");
+      shown.root = await rootFromInclusionProof(
+        item.index, result.checkpoint.size, shown.leaf, shown.proof);
+      if (shown.root === null) {
+        throw new Error(`its proof does not fit index ${item.index} in a tree of size ${result.checkpoint.size}`);
+      }
+      if (!equal(shown.root, result.checkpoint.root)) {
+        throw new Error("its inclusion proof leads to another root than the checkpoint's");
+      }
+      shown.ok = true;
+    } catch (error) {
+      shown.problem = error.message;
+      failures.push(`entry ${item.index}: ${error.message}`);
+    }
+  }
+  if (!result.entries.length) failures.push("the answer holds no entry");
+  for (const [digest, value] of Object.entries(answer.blobs || {})) {
+    if (typeof value !== "string") {
+      result.missing[digest] = String((value && value.missing) || "not sent");
+      continue;
+    }
+    const bytes = b64decode(value);
+    const got = "sha256:" + hex(await sha256(bytes));
+    if (got !== digest) {
+      failures.push(`document ${digest}: its bytes hash to ${got}`);
+      continue;
+    }
+    // A document is shown only as what a verified entry pins.
+    if (!result.entries.some((s) => s.ok && s.entry.subjects.includes(digest))) {
+      failures.push(`document ${digest}: no verified entry shown names it`);
+      continue;
+    }
+    result.blobs[digest] = bytes;
+  }
+  return result;
+}
+
+// ------------------------------------------------------------------ the page
+
+const $ = (id) => document.getElementById(id);
+
+// An element with text only: no argument is ever parsed as markup.
+function el(tag, attributes, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attributes || {})) {
+    if (name === "text") node.textContent = value;
+    else if (name === "onclick") node.addEventListener("click", value);
+    else node.setAttribute(name, value);
+  }
+  for (const child of children) {
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function digestLink(digest) {
+  if (!/^(sha256|blake3):[0-9a-f]{64}$/.test(digest)) return el("code", { text: digest });
+  return el("button", {
+    type: "button", class: "link digest", text: digest, onclick: () => search(digest),
+  });
+}
+
+function table(headings, rows) {
+  const body = el("tbody", {}, ...rows.map((cells) => el("tr", {}, ...cells.map((c) => el("td", {}, c)))));
+  if (!headings.some(Boolean)) return el("table", {}, body);
+  const head = el("tr", {}, ...headings.map((h) => el("th", { text: h })));
+  return el("table", {}, el("thead", {}, head), body);
+}
+
+function rowsOf(object) {
+  return Object.keys(object).sort().map((k) => [k, object[k]]);
+}
+
+const settings = {
+  token: () => sessionStorage.getItem("pinvault-token") || "",
+  pinnedKey: () => localStorage.getItem("pinvault-verifier-key") || "",
+  save() {
+    const token = $("token").value.trim();
+    if (token) sessionStorage.setItem("pinvault-token", token);
+    else sessionStorage.removeItem("pinvault-token");
+    const key = $("pinned-key").value.trim();
+    if (key) localStorage.setItem("pinvault-verifier-key", key);
+    else localStorage.removeItem("pinvault-verifier-key");
+  },
+};
+
+class ApiError extends Error {}
+
+async function api(path) {
+  const headers = {};
+  if (settings.token()) headers.Authorization = "Bearer " + settings.token();
+  const response = await fetch(path, { headers, credentials: "omit", cache: "no-store" });
+  let value;
+  try {
+    value = await response.json();
+  } catch {
+    throw new ApiError(`the vault answered ${response.status} without JSON`);
+  }
+  if (response.status === 401 || response.status === 403) {
+    $("token-box").hidden = false;
+    $("settings").open = true;
+  }
+  if (!response.ok) throw new ApiError(String(value.error || `HTTP ${response.status}`));
+  return value;
+}
+
+function status(text, error) {
+  const node = $("status");
+  node.textContent = text;
+  node.className = error ? "error" : "";
+}
+
+function clear() {
+  for (const id of ["view", "entries", "entry-detail"]) $(id).replaceChildren();
+  $("verdict").hidden = true;
+}
+
+function showVerdict(checked, answer) {
+  const node = $("verdict");
+  node.hidden = false;
+  if (checked.failures.length) {
+    node.className = "failed";
+    node.dataset.state = "failed";
+    node.replaceChildren(
+      el("div", { text: "Verification FAILED: this answer is not what the vault signed. Nothing it says is shown as fact." }),
+      el("ul", {}, ...checked.failures.map((f) => el("li", { text: f }))));
+    return;
+  }
+  const cp = checked.checkpoint;
+  const documents = Object.keys(checked.blobs);
+  const lines = [
+    `Inclusion of ${checked.entries.length} ${checked.entries.length === 1 ? "entry" : "entries"} ` +
+      `in checkpoint root ${b64encode(cp.root)} (size ${cp.size}) verified in this browser: ` +
+      "each leaf hash SHA-256(0x00 || entry bytes) walked up its RFC 9162 inclusion proof.",
+    `Checkpoint Ed25519 signature verified in this browser with key ${checked.key.text}` +
+      (settings.pinnedKey() ? " (the expected key set here)." : " (the vault's own key: set an expected key to pin it)."),
+    `Checkpoint history: ${checked.history}.`,
+  ];
+  if (documents.length) {
+    lines.push(`Documents hashed in this browser to the digests entries pin: ${documents.join(", ")}.`);
+  }
+  if (answer.more === true) {
+    lines.push(`More entries name this than one answer carries: ${checked.entries.length} are shown, the first ones and any run entries of a run.`);
+  }
+  lines.push("Proofs show that what is shown is in the ledger; they cannot show that the vault left nothing out.");
+  node.className = "verified";
+  node.dataset.state = "verified";
+  node.replaceChildren(el("div", { text: "Verified" }), el("ul", {}, ...lines.map((l) => el("li", { text: l }))));
+}
+
+function showEntries(checked) {
+  const rows = checked.entries.map((shown) => {
+    const e = shown.entry || {};
+    const meta = Object.entries(e.meta || {}).map(([k, v]) => `${k}=${v}`).join("  ");
+    return [
+      el("button", { type: "button", class: "link", text: `#${shown.index}`, onclick: () => showEntry(shown, checked) }),
+      String(e.kind ?? ""),
+      String(e.time ?? ""),
+      String(e.author ?? ""),
+      el("div", {}, ...(e.subjects || []).map((s) => el("div", {}, digestLink(String(s))))),
+      meta,
+      shown.ok ? "verified" : `FAILED: ${shown.problem}`,
+    ];
+  });
+  $("entries").replaceChildren(
+    el("h2", { text: "Entries" }),
+    table(["entry", "kind", "time", "author", "subjects", "metadata", "inclusion proof"], rows));
+}
+
+function showEntry(shown, checked) {
+  const parts = [el("h2", { text: `Entry #${shown.index}` })];
+  if (shown.entry) parts.push(el("pre", { id: "entry-json", text: JSON.stringify(shown.entry, null, 2) }));
+  const facts = [
+    ["leaf hash", shown.leaf ? hex(shown.leaf) : ""],
+    ["computed root", shown.root ? b64encode(shown.root) : ""],
+    ["checkpoint", checked.checkpoint ? `size ${checked.checkpoint.size}, root ${b64encode(checked.checkpoint.root)}` : ""],
+    ["proof", shown.ok ? "verified" : `FAILED: ${shown.problem}`],
+  ];
+  parts.push(table(["", ""], facts.map(([k, v]) => [k, el("code", { text: v })])));
+  parts.push(el("h3", { text: "Inclusion proof (nearest the leaf first)" }));
+  parts.push(el("ol", {}, ...(shown.proof || []).map((h) => el("li", {}, el("code", { text: hex(h) })))));
+  $("entry-detail").replaceChildren(...parts);
+}
+
+function documentOf(checked, digest, what) {
+  const bytes = checked.blobs[digest];
+  if (!bytes) {
+    return { error: checked.missing[digest] || `the vault sent no ${what} ${digest}` };
+  }
+  try {
+    return { value: parseCanonical(what, bytes) };
+  } catch (error) {
+    return { error: `${what} ${digest}: ${error.message}` };
+  }
+}
+
+function section(title, ...children) {
+  return el("div", {}, el("h2", { text: title }), ...children);
+}
+
+function runManifestParts(manifest, digest) {
+  const parts = [];
+  const inputs = manifest.inputs || {};
+  parts.push(section("Outputs", table(["path", "sha256", "size"],
+    (manifest.outputs || []).map((o) => [String(o.path), digestLink(String(o.sha256)), String(o.size)]))));
+  parts.push(section("Checkpoints", table(["step", "checkpoint manifest"],
+    (manifest.checkpoints || []).map((c) => [String(c.step), digestLink(String(c.manifest))]))));
+  const env = manifest.environment || {};
+  const envRows = [["host", env.host], ["python", env.python], ["platform", env.platform],
+    ...rowsOf(env.variables || {})].map(([k, v]) => [String(k), String(v ?? "")]);
+  parts.push(section("Environment", table(["", ""], envRows)));
+  const script = `#!/bin/sh\nexec vault replay ${digest} "$@"\n`;
+  const link = el("a", { class: "replicate", download: "replicate.sh", text: "replicate.sh" });
+  link.href = URL.createObjectURL(new Blob([script], { type: "text/x-shellscript" }));
+  parts.push(section("Run manifest",
+    el("p", {}, "Manifest ", digestLink(digest), ` for run `, digestLink(String(manifest.run)),
+      `, team ${String(manifest.team)}.`),
+    el("p", {}, "Replay it: ", link, " (", el("code", { text: `vault replay ${digest}` }), ")")));
+  return { parts, inputs };
+}
+
+function inputsTable(inputs) {
+  const rows = [
+    ["image", digestLink(String(inputs.image))],
+    ["dataset", digestLink(String(inputs.dataset))],
+  ];
+  if (inputs.config !== undefined) rows.push(["config", digestLink(String(inputs.config))]);
+  rows.push(["seed", el("code", { id: "seed", text: String(inputs.seed) })]);
+  if (inputs.nonce !== undefined) rows.push(["nonce", el("code", { text: String(inputs.nonce) })]);
+  return section("Inputs", table(["input", "value"], rows));
+}
+
+function viewRun(checked, runId, admission) {
+  const team = String(admission.meta.team || "");
+  const parts = [el("h2", { text: "Run" }),
+    el("p", {}, "Run id ", el("code", { id: "run-id", text: runId }),
+      `, admitted for team ${team || "(none)"} at ${admission.time} (entry #${admission.index}).`)];
+  const inputs = documentOf(checked, runId, "run inputs document");
+  if (inputs.error) parts.push(el("p", { class: "error", text: inputs.error }));
+  else parts.push(inputsTable(inputs.value));
+  // The run's own manifest, as the run library reads it: pinned for the run by the team of
+  // its admission, not by a replay.
+  const sealed = checked.entries.map((s) => s.entry).filter((e) => e.kind === "run" &&
+    e.meta.stage === "manifest" && e.subjects.slice(1).includes(runId) && team &&
+    e.meta.team === team && e.meta.replay === undefined);
+  if (!sealed.length) {
+    parts.push(el("p", { text: "Not sealed: the run's team has published no run manifest for it yet." }));
+    const own = checked.entries.map((s) => s.entry).filter((e) => e.meta.team === team);
+    parts.push(section("Outputs recorded so far", table(["path", "sha256", "size"],
+      own.filter((e) => e.kind === "artefact").map((e) => [String(e.meta.path), digestLink(e.subjects[0]), String(e.meta.size)]))));
+    parts.push(section("Checkpoints committed so far", table(["step", "checkpoint manifest"],
+      own.filter((e) => e.kind === "checkpoint").map((e) => [String(e.meta.step), digestLink(e.subjects[0])]))));
+    return parts;
+  }
+  // The latest manifest of each task: one, but for a job array, whose tasks seal their own.
+  const latest = new Map();
+  for (const e of sealed) latest.set(String(e.meta.task ?? ""), e.subjects[0]);
+  const tasks = [...latest.keys()].sort((a, b) => Number(a) - Number(b) || a.localeCompare(b));
+  for (const task of tasks) {
+    const digest = latest.get(task);
+    if (task !== "") parts.push(el("h2", { class: "task", text: `Task ${task}` }));
+    const manifest = documentOf(checked, digest, "run manifest");
+    if (manifest.error) {
+      parts.push(el("p", { class: "error", text: manifest.error }));
+    } else if (manifest.value.run !== runId) {
+      parts.push(el("p", { class: "error", text: `run manifest ${digest} is of run ${manifest.value.run}` }));
+    } else {
+      parts.push(...runManifestParts(manifest.value, digest).parts);
+    }
+  }
+  return parts;
+}
+
+function viewDataset(checked, digest, pin) {
+  const parts = [el("h2", { text: `Dataset ${String(pin.meta.name ?? "")}` }),
+    el("p", {}, "Manifest ", el("code", { text: digest }), `, pinned at entry #${pin.index}.`)];
+  const manifest = documentOf(checked, digest, "dataset manifest");
+  if (manifest.error) {
+    parts.push(el("p", { class: "error", text: manifest.error }));
+    return parts;
+  }
+  const files = manifest.value.files || [];
+  const total = files.reduce((n, f) => n + Number(f.size), 0);
+  parts.push(el("p", { text: `${files.length} files, ${total} bytes.` }));
+  parts.push(table(["path", "size", "mode", "sha256"], files.slice(0, ROWS_SHOWN).map((f) =>
+    [String(f.path), String(f.size), String(f.mode), digestLink(String(f.sha256))])));
+  if (files.length > ROWS_SHOWN) parts.push(el("p", { text: `… and ${files.length - ROWS_SHOWN} more files.` }));
+  return parts;
+}
+
+function viewCheckpoint(checked, digest) {
+  const manifest = documentOf(checked, digest, "checkpoint manifest");
+  if (manifest.error) return [el("p", { class: "error", text: manifest.error })];
+  const m = manifest.value;
+  return [el("h2", { text: `Checkpoint, step ${String(m.step)}` }),
+    el("p", {}, "Of run ", digestLink(String(m.run)), "."),
+    table(["path", "sha256", "size"], (m.files || []).map((f) =>
+      [String(f.path), digestLink(String(f.sha256)), String(f.size)]))];
+}
+
+function viewOf(checked, digest) {
+  const entries = checked.entries.map((s) => s.entry);
+  const first = (test) => entries.find((e) => e.subjects[0] === digest && test(e));
+  const admission = first((e) => e.kind === "run" && e.meta.stage === "admitted");
+  if (admission) return viewRun(checked, digest, admission);
+  const manifestPin = first((e) => e.kind === "run" && e.meta.stage === "manifest");
+  if (manifestPin) {
+    const manifest = documentOf(checked, digest, "run manifest");
+    if (manifest.error) return [el("p", { class: "error", text: manifest.error })];
+    const { parts, inputs } = runManifestParts(manifest.value, digest);
+    return [el("h2", { text: "Run manifest" }), inputsTable(inputs), ...parts];
+  }
+  const dataset = first((e) => e.kind === "dataset");
+  if (dataset) return viewDataset(checked, digest, dataset);
+  if (first((e) => e.kind === "checkpoint")) return viewCheckpoint(checked, digest);
+  return [];
+}
+
+// Only the latest search shows its answer, however the answers arrive.
+let searches = 0;
+
+async function search(text) {
+  const turn = ++searches;
+  const q = text.trim();
+  $("search").value = q;
+  if (location.hash.slice(1) !== encodeURIComponent(q)) history.replaceState(null, "", "#" + encodeURIComponent(q));
+  clear();
+  if (!q) return;
+  const byIndex = /^#?([0-9]{1,15})$/.exec(q);
+  const query = byIndex ? { index: Number(byIndex[1]) } : {};
+  status(`Looking up ${q} …`);
+  let answer;
+  try {
+    answer = await api(byIndex ? `/api/entry?index=${byIndex[1]}` : `/api/lookup?digest=${encodeURIComponent(q)}`);
+  } catch (error) {
+    if (turn === searches) status(error.message, true);
+    return;
+  }
+  if (turn !== searches) return;
+  if (!byIndex) query.digest = String(answer.query);
+  status("Verifying …");
+  let checked;
+  try {
+    checked = await verifyAnswer(answer, query);
+  } catch (error) {
+    // An answer not even shaped like one: nothing of it is shown.
+    checked = { failures: [`the answer is malformed: ${error.message}`], entries: [] };
+  }
+  if (turn !== searches) return;
+  showVerdict(checked, answer);
+  showEntries(checked);
+  status("");
+  if (!checked.failures.length && query.digest) {
+    $("view").replaceChildren(...viewOf(checked, query.digest));
+  }
+}
+
+async function refresh() {
+  $("pinned-key").value = settings.pinnedKey();
+  $("token").value = settings.token();
+  try {
+    const vault = await api("/api/vault");
+    $("vault-key").textContent = String(vault.verifier);
+    if (vault.credentials) $("token-box").hidden = false;
+    status(`The ledger holds ${vault.size} entries.`);
+  } catch (error) {
+    status(error.message, true);
+    return;
+  }
+  let wanted = "";
+  try {
+    wanted = decodeURIComponent(location.hash.slice(1));
+  } catch {
+    status("the address after # is not a search", true);
+  }
+  if (wanted) await search(wanted);
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("search-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    search($("search").value);
+  });
+  $("settings-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    settings.save();
+    refresh();
+  });
+  refresh();
+});
