@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Final, Self
 
 from vault import config
-from vault.client import ProvenEntry, VaultClient, open_client
+from vault.client import ProvenEntry, VaultClient, open_client, read_all
 from vault.config import (
     ENV_CONFIG,
     ENV_DATASET,
@@ -85,11 +85,33 @@ class Checkpoint:
     manifest: CheckpointManifest
     entry: ProvenEntry
     _client: VaultClient = field(repr=False, compare=False)
+    # The digests of the files this process sent when it committed the checkpoint; a file the
+    # vault already held (unchanged since an earlier checkpoint) is not among them.
+    sent: frozenset[str] = frozenset()
 
     @property
     def step(self) -> int:
         """The step the checkpoint was committed as."""
         return self.manifest.step
+
+    def read(self, name: str) -> bytes:
+        """One file of the checkpoint, in memory, once its bytes matched its digest (the client
+        checks every byte) and the size the manifest gives (IntegrityError otherwise). NotFound
+        for a name the checkpoint does not have."""
+        found = [f for f in self.manifest.files if f.path == name]
+        if not found:
+            raise NotFound(f"checkpoint {self.digest} (step {self.step}) has no file {name!r}")
+        record = found[0]
+        reader = self._client.open(record.sha256)
+        try:
+            if reader.info.size != record.size:
+                raise IntegrityError(
+                    f"checkpoint {self.digest} says {name!r} is {record.size} bytes, "
+                    f"its blob {record.sha256} is {reader.info.size}"
+                )
+            return read_all(reader)
+        finally:
+            reader.close()
 
     def restore(self, target: str | os.PathLike[str]) -> dict[str, Path]:
         """Write the checkpoint's files into `target` (created if absent), each appearing only
@@ -351,7 +373,7 @@ class Run:
         proven = self.client.pin(
             "checkpoint", [digest, self.run_id], meta=self._meta(step=str(step))
         )
-        return Checkpoint(digest, manifest, proven, self.client)
+        return Checkpoint(digest, manifest, proven, self.client, frozenset(sends))
 
     def checkpoints(self) -> list[tuple[int, str, ProvenEntry]]:
         """Every committed checkpoint of this run as (step, manifest digest, entry), in the
