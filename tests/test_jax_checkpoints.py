@@ -226,9 +226,12 @@ def state(salt: int = 0) -> dict[str, Any]:
     """A small pytree; tests share one vault, so each salts its arrays to be sure which blobs
     it stored itself."""
     return {
-        "params": {"w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4) + salt, "b": jnp.ones(4)},
+        "params": {
+            "w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4) + salt,
+            "b": jnp.ones(4) + salt,
+        },
         "embed": jnp.full((64, 32), 0.5 + salt, dtype=jnp.bfloat16),
-        "count": np.int64(7 + salt),
+        "count": np.int64(7_000_000 + salt),
         "lr": 0.125 + salt,
     }
 
@@ -275,7 +278,7 @@ def test_an_unchanged_leaf_is_not_stored_twice(
     client.put = real_put  # type: ignore[method-assign]
 
     restored = checkpoints.restore(state())
-    assert float(restored["params"]["b"][0]) == 2.0
+    assert float(restored["params"]["b"][0]) == 4.0
     run.close()
 
 
@@ -300,7 +303,7 @@ def test_restore_gives_the_targets_kinds_and_refuses_a_mismatched_target(
     assert isinstance(restored["params"]["w"], jax.Array)
     assert restored["embed"].dtype == jnp.bfloat16
     assert restored["lr"] == 0.125 and isinstance(restored["lr"], float)
-    assert restored["count"] == 7 and isinstance(restored["count"], np.int64)
+    assert restored["count"] == 7_000_000 and isinstance(restored["count"], np.int64)
     for a, b in zip(
         jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(saved), strict=True
     ):
