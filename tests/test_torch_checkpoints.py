@@ -310,6 +310,8 @@ def test_restore_loads_modules_and_optimizers_and_refuses_what_does_not_fit(
     assert restored["extra"] == extra and list(restored) == ["model", "optim", "extra", "half"]
     same_bits(restored["half"], half)
 
+    with pytest.raises(InvalidArgument, match="target 'model' is a OrderedDict, which has no"):
+        checkpoints.restore({"model": fresh.state_dict()})
     with pytest.raises(InvalidArgument, match="has no state 'scheduler'"):
         checkpoints.restore({"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1)})
     with pytest.raises(InvalidArgument, match=r"state\['x'\] is a set"):

@@ -80,23 +80,31 @@ class StateDictCheckpoints:
         self, target: Mapping[str, Any] | None = None, checkpoint: Checkpoint | None = None
     ) -> dict[str, Any]:
         """The state saved in `checkpoint` (default: the latest), tensors on the CPU, each
-        verified against its digest. Every value of `target` with `load_state_dict` (a module,
-        an optimizer...) is loaded with the state saved under its name. InvalidArgument for a
-        name the checkpoint lacks; IntegrityError if a blob's bytes do not match; NotFound if
-        the run has no checkpoint."""
+        verified against its digest. Every value of `target` (a module, an optimizer... anything
+        with `load_state_dict`) is loaded with the state saved under its name. InvalidArgument
+        for a name the checkpoint lacks or a value that cannot load; IntegrityError if a blob's
+        bytes do not match; NotFound if the run has no checkpoint."""
+        wanted = dict(target or {})
+        for name, value in wanted.items():
+            if not _stateful(value):
+                # Loading into a plain state dict in place is what dcp.load does; here it would
+                # silently do nothing, so it is refused.
+                raise InvalidArgument(
+                    f"target {name!r} is a {type(value).__name__}, which has no load_state_dict: "
+                    "give the module or optimizer itself, or read the returned state"
+                )
         found = latest_or_given(self.run, checkpoint)
         document = read_tree(found, FRAMEWORK, {"state"})
         restored = _decode(document["state"], found, "state")
         if not isinstance(restored, dict):
             raise InvalidArgument(f"checkpoint {found.digest}: its state is not a mapping")
-        for name, value in (target or {}).items():
-            if not _stateful(value):
-                continue
-            if name not in restored:
-                raise InvalidArgument(
-                    f"checkpoint of step {found.step} has no state {name!r} "
-                    f"(it has {', '.join(map(repr, restored)) or 'none'})"
-                )
+        missing = [name for name in wanted if name not in restored]
+        if missing:  # checked before anything is loaded, so a refusal changes nothing
+            raise InvalidArgument(
+                f"checkpoint of step {found.step} has no state {missing[0]!r} "
+                f"(it has {', '.join(map(repr, restored)) or 'none'})"
+            )
+        for name, value in wanted.items():
             value.load_state_dict(restored[name])
         return restored
 
