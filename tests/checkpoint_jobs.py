@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
+import pytest
+
 from tests.services.vault_server import REPO_ROOT, VaultServer, command_env
 from vault.client import Admission, VaultClient
 from vault.runs.dataset import add_dataset
@@ -80,6 +82,27 @@ class Trainer:
     def _pipes(self) -> tuple[IO[str], IO[str]]:
         assert self.process.stdin is not None and self.process.stdout is not None
         return self.process.stdin, self.process.stdout
+
+
+def spy_on_puts(client: VaultClient, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every blob `client` sends from now on (by put or put_many), in order."""
+    sent: list[int] = []
+    put, put_many = client.put, client.put_many
+
+    def size(source: Any) -> int:
+        return len(source) if isinstance(source, bytes) else Path(source).stat().st_size
+
+    def counting_put(source: Any, **options: Any) -> Any:
+        sent.append(size(source))
+        return put(source, **options)
+
+    def counting_put_many(sources: Any, **options: Any) -> Any:
+        sent.extend(size(s) for s in sources)
+        return put_many(sources, **options)
+
+    monkeypatch.setattr(client, "put", counting_put)
+    monkeypatch.setattr(client, "put_many", counting_put_many)
+    return sent
 
 
 def reports(output: str) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.checkpoint_jobs import Trainer, admit_run, job_env, reports
+from tests.checkpoint_jobs import Trainer, admit_run, job_env, reports, spy_on_puts
 from tests.services.tampering_proxy import TamperingProxy
 from tests.services.vault_server import REPO_ROOT, VaultServer, command_env
 from vault.client import VaultClient
@@ -242,18 +242,14 @@ def a_run(server: VaultServer, client: VaultClient, folder: Path) -> Run:
 
 
 def test_an_unchanged_leaf_is_not_stored_twice(
-    vault_server: VaultServer, client: VaultClient, tmp_path: Path
+    vault_server: VaultServer,
+    client: VaultClient,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     run = a_run(vault_server, client, tmp_path)
     checkpoints = PytreeCheckpoints(run)
-    sent: list[int] = []
-    real_put = client.put
-
-    def counting_put(source: Any, **options: Any) -> Any:
-        sent.append(len(source) if isinstance(source, bytes) else Path(source).stat().st_size)
-        return real_put(source, **options)
-
-    client.put = counting_put  # type: ignore[method-assign]
+    sent = spy_on_puts(client, monkeypatch)
     first = checkpoints.save(state(1), 0)
     arrays = {f.path: f for f in first.manifest.files if f.path.startswith("arrays/")}
     assert len(arrays) == 5 and {f.sha256 for f in arrays.values()} <= first.sent
@@ -275,7 +271,6 @@ def test_an_unchanged_leaf_is_not_stored_twice(
     # Only the changed leaf went: the tree document names files, not digests, so it is the same.
     assert len(after - before) == 1 and third.sent == after - before
     assert sum(sent) < first_bytes / 4
-    client.put = real_put  # type: ignore[method-assign]
 
     restored = checkpoints.restore(state())
     assert float(restored["params"]["b"][0]) == 4.0

@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tests.checkpoint_jobs import Trainer, admit_run, job_env, reports
+from tests.checkpoint_jobs import Trainer, admit_run, job_env, reports, spy_on_puts
 from tests.services.tampering_proxy import TamperingProxy
 from tests.services.vault_server import REPO_ROOT, VaultServer, command_env
 from vault.client import VaultClient
@@ -248,19 +248,15 @@ def model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimiz
 
 
 def test_an_unchanged_tensor_is_not_stored_twice(
-    vault_server: VaultServer, client: VaultClient, tmp_path: Path
+    vault_server: VaultServer,
+    client: VaultClient,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     run = a_run(vault_server, client, tmp_path)
     checkpoints = StateDictCheckpoints(run)
     model, optimizer = model_and_optimizer(11)
-    sent: list[int] = []
-    real_put = client.put
-
-    def counting_put(source: Any, **options: Any) -> Any:
-        sent.append(len(source) if isinstance(source, bytes) else Path(source).stat().st_size)
-        return real_put(source, **options)
-
-    client.put = counting_put  # type: ignore[method-assign]
+    sent = spy_on_puts(client, monkeypatch)
     first = checkpoints.save({"model": model, "optim": optimizer}, 0)
     table = 128 * 64 * 4
     assert sum(sent) > table
@@ -287,7 +283,6 @@ def test_an_unchanged_tensor_is_not_stored_twice(
     # The same tensors written through DCP are the same blobs: none went again.
     dcp_arrays = {f.sha256 for f in writer.checkpoint.manifest.files if "arrays/" in f.path}
     assert dcp_arrays and not dcp_arrays & writer.checkpoint.sent
-    client.put = real_put  # type: ignore[method-assign]
     run.close()
 
 
