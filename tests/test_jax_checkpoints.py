@@ -321,11 +321,29 @@ def test_restore_gives_the_targets_kinds_and_refuses_a_mismatched_target(
     more = {**state(), "extra": jnp.zeros(1)}
     with pytest.raises(InvalidArgument, match=r"has no leaf \['extra'\] of the target"):
         checkpoints.restore(more)
-    with pytest.raises(InvalidArgument, match="typed PRNG key"):
-        checkpoints.save({"key": jax.random.key(0)}, 6)
+
+    # A typed PRNG key comes back as the same key, of the same implementation.
+    keys = {"key": jax.random.split(jax.random.key(3), 4), "raw": jax.random.PRNGKey(3)}
+    checkpoints.save(keys, 6)
+    back = checkpoints.restore(
+        {
+            "key": jax.random.split(jax.random.key(0, impl="threefry2x32"), 4),
+            "raw": jax.random.PRNGKey(0),
+        }
+    )
+    assert back["key"].dtype == keys["key"].dtype
+    assert (jax.random.key_data(back["key"]) == jax.random.key_data(keys["key"])).all()
+    assert (jax.random.uniform(back["key"][1]) == jax.random.uniform(keys["key"][1])).all()
+    assert back["raw"].dtype == jnp.uint32
+    with pytest.raises(InvalidArgument, match=r"leaf \['key'\] is a PRNG key of threefry2x32"):
+        checkpoints.restore({"key": jnp.zeros((4, 2), jnp.uint32), "raw": keys["raw"]})
+    with pytest.raises(InvalidArgument, match=r"leaf \['key'\] is a threefry2x32 key of data"):
+        checkpoints.restore(
+            {"key": jax.random.split(jax.random.key(0, impl="rbg"), 4), "raw": keys["raw"]}
+        )
 
     # A checkpoint of plain files is the run's latest, but not a pytree.
-    run.checkpoint(6, {"notes.txt": b"not a pytree"})
+    run.checkpoint(7, {"notes.txt": b"not a pytree"})
     with pytest.raises(FailedPrecondition, match="was not saved by a framework adapter"):
         checkpoints.restore(state())
     run.close()

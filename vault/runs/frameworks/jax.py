@@ -59,9 +59,14 @@ class PytreeCheckpoints:
             if name in seen:
                 raise InvalidArgument(f"two leaves of the pytree have the path {name}")
             seen.add(name)
+            entry: dict[str, Any] = {"path": name}
+            if _is_key(leaf):
+                # A typed PRNG key is stored as its key data, with the implementation's name.
+                entry["key"] = str(jax.random.key_impl(leaf))
+                leaf = jax.random.key_data(leaf)
             array = _host_array(name, leaf)
             record = files.add(array.tobytes(), array.dtype.name, array.shape, array.itemsize)
-            records.append({"path": name, "array": record.as_json()})
+            records.append({**entry, "array": record.as_json()})
         body = {"treedef": str(treedef), "leaves": records}
         return files.commit(self.run, step, FRAMEWORK, body)
 
@@ -84,7 +89,7 @@ class PytreeCheckpoints:
         tree = _orbax_item(target, "StandardRestore")
         found = latest_or_given(self.run, checkpoint)
         document = read_tree(found, FRAMEWORK, {"treedef", "leaves"})
-        saved = _saved_leaves(found, document["leaves"])
+        saved, keys = _saved_leaves(found, document["leaves"])
         wanted, treedef = jax.tree_util.tree_flatten_with_path(tree)
         names = [jax.tree_util.keystr(path) for path, _ in wanted]
         missing = [n for n in names if n not in saved]
@@ -100,7 +105,7 @@ class PytreeCheckpoints:
                 f"({len(extra)} more than the target)"
             )
         values = [
-            _restored(found, name, saved[name], leaf)
+            _restored(found, name, saved[name], leaf, keys.get(name))
             for name, (_, leaf) in zip(names, wanted, strict=True)
         ]
         return jax.tree_util.tree_unflatten(treedef, values)
@@ -130,10 +135,6 @@ def _orbax_item(value: Any, kind: str) -> Any:
 
 def _host_array(name: str, leaf: Any) -> np.ndarray[Any, Any]:
     """A leaf as a little-endian NumPy array on the host."""
-    if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        raise InvalidArgument(
-            f"leaf {name} is a typed PRNG key: save jax.random.key_data(key) instead"
-        )
     try:
         array = np.asarray(leaf)
     except (TypeError, ValueError) as exc:
@@ -149,22 +150,41 @@ def _host_array(name: str, leaf: Any) -> np.ndarray[Any, Any]:
     return array
 
 
-def _saved_leaves(found: Checkpoint, value: object) -> dict[str, ArrayRecord]:
+def _is_key(leaf: Any) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _saved_leaves(
+    found: Checkpoint, value: object
+) -> tuple[dict[str, ArrayRecord], dict[str, str]]:
+    """Each saved leaf's array by path, and the PRNG implementation of those that are keys."""
     what = f"tree document of checkpoint {found.digest}"
     if not isinstance(value, list):
         raise InvalidArgument(f"{what}: leaves is not a list")
     saved: dict[str, ArrayRecord] = {}
+    keys: dict[str, str] = {}
     for n, item in enumerate(value):
-        if not isinstance(item, dict) or set(item) != {"path", "array"}:
-            raise InvalidArgument(f"{what}: leaf {n} is not an object of path and array")
+        if not isinstance(item, dict) or not {"path", "array"} <= set(item) <= {
+            "path",
+            "array",
+            "key",
+        }:
+            raise InvalidArgument(f"{what}: leaf {n} is not an object of path, array (and key)")
         path = item["path"]
         if not isinstance(path, str) or path in saved:
             raise InvalidArgument(f"{what}: leaf {n} has a bad or repeated path")
         saved[path] = ArrayRecord.decode(what, item["array"])
-    return saved
+        if "key" in item:
+            if not isinstance(item["key"], str):
+                raise InvalidArgument(f"{what}: leaf {n} has a bad key implementation")
+            keys[path] = item["key"]
+    return saved, keys
 
 
-def _restored(found: Checkpoint, name: str, record: ArrayRecord, want: Any) -> Any:
+def _restored(found: Checkpoint, name: str, record: ArrayRecord, want: Any, key: str | None) -> Any:
+    if key is not None or _is_key(want):
+        return _restored_key(found, name, record, want, key)
     try:
         dtype = jnp.dtype(record.dtype)
     except TypeError:
@@ -197,3 +217,28 @@ def _restored(found: Checkpoint, name: str, record: ArrayRecord, want: Any) -> A
     if isinstance(want, bool | int | float | complex):
         return type(want)(array.item())
     return jnp.asarray(array)
+
+
+def _restored_key(
+    found: Checkpoint, name: str, record: ArrayRecord, want: Any, key: str | None
+) -> Any:
+    """A typed PRNG key leaf: its key data, wrapped with the implementation it was saved with,
+    which must be the target's."""
+    if key is None or not _is_key(want):
+        saved = f"a PRNG key of {key}" if key is not None else "an array"
+        target = "a PRNG key" if _is_key(want) else "not one"
+        raise InvalidArgument(
+            f"checkpoint of step {found.step}: leaf {name} is {saved}, the target's is {target}"
+        )
+    impl = str(jax.random.key_impl(want)) if isinstance(want, jax.Array) else None
+    data_shape = jax.eval_shape(jax.random.key_data, want).shape
+    if tuple(data_shape) != record.shape or (impl is not None and impl != key):
+        raise InvalidArgument(
+            f"checkpoint of step {found.step}: leaf {name} is a {key} key of data shape "
+            f"{list(record.shape)}, the target's {impl or 'key'} has {list(data_shape)}"
+        )
+    dtype = jnp.dtype(record.dtype)
+    data = np.frombuffer(read_array(found, record, dtype.itemsize), dtype=dtype)
+    restored = jax.random.wrap_key_data(jnp.asarray(data.reshape(record.shape)), impl=key)
+    sharding = getattr(want, "sharding", None)
+    return jax.device_put(restored, sharding) if sharding is not None else restored
