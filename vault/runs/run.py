@@ -20,7 +20,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Final, Self
 
 from vault import config
-from vault.client import ProvenEntry, VaultClient, open_client
+from vault.client import ProvenEntry, VaultClient, open_client, read_all
+from vault.client.transfer import BATCH_BLOB
 from vault.config import (
     ENV_CONFIG,
     ENV_DATASET,
@@ -59,6 +60,10 @@ if TYPE_CHECKING:
 
 HASH_BLOCK: Final = 1 << 20
 PUTS_IN_FLIGHT: Final = 4
+# A checkpoint's small files go to the vault in calls of at most this many files and bytes
+# (well inside what one PutBatch takes), so that several calls are in flight at once.
+CHECKPOINT_BATCH_FILES: Final = 1000
+CHECKPOINT_BATCH_BYTES: Final = 32 << 20
 REPLICATE_SCRIPT: Final = "replicate.sh"
 # Set by Slurm in each task of a job array.
 ENV_ARRAY_TASK: Final = "SLURM_ARRAY_TASK_ID"
@@ -85,11 +90,33 @@ class Checkpoint:
     manifest: CheckpointManifest
     entry: ProvenEntry
     _client: VaultClient = field(repr=False, compare=False)
+    # The digests of the files this process sent when it committed the checkpoint; a file the
+    # vault already held (unchanged since an earlier checkpoint) is not among them.
+    sent: frozenset[str] = frozenset()
 
     @property
     def step(self) -> int:
         """The step the checkpoint was committed as."""
         return self.manifest.step
+
+    def read(self, name: str) -> bytes:
+        """One file of the checkpoint, in memory, once its bytes matched its digest (the client
+        checks every byte) and the size the manifest gives (IntegrityError otherwise). NotFound
+        for a name the checkpoint does not have."""
+        found = [f for f in self.manifest.files if f.path == name]
+        if not found:
+            raise NotFound(f"checkpoint {self.digest} (step {self.step}) has no file {name!r}")
+        record = found[0]
+        reader = self._client.open(record.sha256)
+        try:
+            if reader.info.size != record.size:
+                raise IntegrityError(
+                    f"checkpoint {self.digest} says {name!r} is {record.size} bytes, "
+                    f"its blob {record.sha256} is {reader.info.size}"
+                )
+            return read_all(reader)
+        finally:
+            reader.close()
 
     def restore(self, target: str | os.PathLike[str]) -> dict[str, Path]:
         """Write the checkpoint's files into `target` (created if absent), each appearing only
@@ -303,11 +330,7 @@ class Run:
     def _store(self, source: Path | bytes, sha256: str, size: int) -> None:
         # `expected` makes the vault refuse bytes that changed after they were hashed.
         result = self.client.put(source, expected=sha256)
-        if str(result.blob.sha256) != sha256 or result.blob.size != size:
-            raise IntegrityError(
-                f"the vault stored {result.blob.sha256} ({result.blob.size} bytes), "
-                f"expected {sha256} ({size} bytes)"
-            )
+        _check_stored(result.blob.sha256, result.blob.size, sha256, size)
 
     def _pin_artefact(self, relative: str, sha256: str, size: int) -> Artefact:
         meta = self._meta(path=relative, size=str(size))
@@ -338,20 +361,47 @@ class Run:
         )
         lacking = set(self.client.find_missing(sorted({r.sha256 for r, _ in hashed})))
         sends = {r.sha256: (source, r.size) for r, source in hashed if r.sha256 in lacking}
+        # Small files (a framework checkpoint's tensors are mostly small) go many to a call,
+        # whose syncs the vault shares; large ones stream one to a call.
+        batches: list[list[tuple[str, Path | bytes, int]]] = [[]]
+        large: list[tuple[str, Path | bytes, int]] = []
+        batched = 0
+        for digest, (source, size) in sends.items():
+            if size > BATCH_BLOB:
+                large.append((digest, source, size))
+                continue
+            if (
+                len(batches[-1]) >= CHECKPOINT_BATCH_FILES
+                or batched + size > CHECKPOINT_BATCH_BYTES
+            ):
+                batches.append([])
+                batched = 0
+            batches[-1].append((digest, source, size))
+            batched += size
 
-        def send(item: tuple[str, tuple[Path | bytes, int]]) -> None:
-            digest, (source, size) = item
+        def send(item: tuple[str, Path | bytes, int]) -> None:
+            digest, source, size = item
             self._store(source, digest, size)
 
+        def send_batch(batch: list[tuple[str, Path | bytes, int]]) -> None:
+            results = self.client.put_many(
+                [s for _, s, _ in batch], expected=[d for d, _, _ in batch]
+            )
+            for (digest, _, size), result in zip(batch, results, strict=True):
+                _check_stored(result.blob.sha256, result.blob.size, digest, size)
+
         with ThreadPoolExecutor(max_workers=PUTS_IN_FLIGHT) as pool:
-            list(pool.map(send, sends.items()))
+            done = [pool.submit(send_batch, b) for b in batches if b]
+            done += [pool.submit(send, item) for item in large]
+            for future in done:
+                future.result()
         data = manifest.encode()
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         self._store(data, digest, len(data))
         proven = self.client.pin(
             "checkpoint", [digest, self.run_id], meta=self._meta(step=str(step))
         )
-        return Checkpoint(digest, manifest, proven, self.client)
+        return Checkpoint(digest, manifest, proven, self.client, frozenset(sends))
 
     def checkpoints(self) -> list[tuple[int, str, ProvenEntry]]:
         """Every committed checkpoint of this run as (step, manifest digest, entry), in the
@@ -570,6 +620,13 @@ class OutputFile(io.RawIOBase):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _check_stored(stored: object, stored_size: int, sha256: str, size: int) -> None:
+    if str(stored) != sha256 or stored_size != size:
+        raise IntegrityError(
+            f"the vault stored {stored} ({stored_size} bytes), expected {sha256} ({size} bytes)"
+        )
 
 
 def _hash_file(path: Path) -> tuple[str, int]:
