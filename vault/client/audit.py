@@ -43,7 +43,8 @@ _START: Final = (
 
 
 def default_workers() -> int:
-    return max(1, min(8, len(os.sched_getaffinity(0))))
+    """One a core, up to four: each worker holds about 30 MiB, the command about 100."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 class _Worker:

@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -114,7 +115,9 @@ _READ_ENTRIES_UNTIL: Final = (
     "SELECT idx, body, leaf_hash, kind, author, time, external FROM entries "
     "WHERE idx > ? AND idx < ? ORDER BY idx LIMIT ?"
 )
-_READ_SUBJECTS: Final = "SELECT idx, digest FROM entry_subjects WHERE idx > ? AND idx <= ?"
+_READ_SUBJECTS: Final = (
+    "SELECT idx, digest FROM entry_subjects WHERE idx > ? AND idx <= ? ORDER BY idx"
+)
 _READ_BODIES: Final = "SELECT body FROM entries WHERE idx >= ? AND idx < ? ORDER BY idx"
 _READ_LEAVES: Final = "SELECT idx, leaf_hash FROM entries WHERE idx >= ? AND idx < ? ORDER BY idx"
 # The distinct prefixes size // 256**level of the checkpoints signed in a range of sizes: each
@@ -711,7 +714,10 @@ class Ledger:
         of the database (one read transaction), so that an audit sees the head and the rows as
         one moment left them while appends go on; no checks. Rows past the head in that
         snapshot are there too: no append leaves them."""
-        for head, rows, subjects in self._read_rows(start, end, from_head):
+        for head, rows, subject_rows in self._read_rows(start, end, from_head):
+            subjects: dict[int, list[str]] = {}
+            for idx, key in subject_rows:
+                subjects.setdefault(idx, []).append(digest_from_key(bytes(key)))
             yield (
                 head,
                 [
@@ -734,7 +740,7 @@ class Ledger:
     ) -> Iterator[tuple[int, RawColumns]]:
         """`read_raw`'s rows as columns: an auditor reading millions of rows costs the server
         a few list operations a batch rather than an object a row."""
-        for head, rows, subjects in self._read_rows(start, end, from_head):
+        for head, rows, subject_rows in self._read_rows(start, end, from_head):
             if not rows:
                 yield head, RawColumns((), (), b"", (), (), (), (), (), ())
                 continue
@@ -742,16 +748,23 @@ class Ledger:
             if not self.db.is_sqlite:
                 bodies = tuple(bytes(b) for b in bodies)
                 leaves = tuple(bytes(leaf) for leaf in leaves)
-            counts: list[int] = []
             flat: list[str] = []
-            for idx in indexes:
-                found = subjects.get(idx)
-                if found:
-                    found.sort()
-                    flat.extend(found)
-                    counts.append(len(found))
-                else:
-                    counts.append(0)
+            counts: list[int] = [0] * len(indexes)
+            if subject_rows:
+                owners, keys = zip(*subject_rows, strict=True)
+                flat = [
+                    "sha256:" + key.hex() if len(key) == 32 else digest_from_key(bytes(key))
+                    for key in keys
+                ]
+                per_index = Counter(owners)
+                counts = [per_index.get(idx, 0) for idx in indexes]
+                if len(per_index) != len(owners):
+                    # Some entry has several subjects: each entry's in order.
+                    at = 0
+                    for count in counts:
+                        if count > 1:
+                            flat[at : at + count] = sorted(flat[at : at + count])
+                        at += count
             yield (
                 head,
                 RawColumns(
@@ -761,7 +774,9 @@ class Ledger:
 
     def _read_rows(
         self, start: int, end: int | None, from_head: bool
-    ) -> Iterator[tuple[int, list[tuple[Any, ...]], dict[int, list[str]]]]:
+    ) -> Iterator[tuple[int, list[tuple[Any, ...]], list[tuple[Any, ...]]]]:
+        """Batches of entry rows and their subject rows (index, stored key), in index order,
+        in one read transaction."""
         with self.db.read.connect() as conn:
             if not self.db.is_sqlite:
                 conn = conn.execution_options(isolation_level="REPEATABLE READ")
@@ -781,13 +796,10 @@ class Ledger:
                         rows = fetch(_READ_ENTRIES_UNTIL, (after, end, READ_BATCH))
                     if not rows:
                         if after < start:
-                            yield head, [], {}
+                            yield head, [], []
                         return
                     last = rows[-1][0]
-                    subjects: dict[int, list[str]] = {}
-                    for idx, key in fetch(_READ_SUBJECTS, (after, last)):
-                        subjects.setdefault(idx, []).append(digest_from_key(bytes(key)))
-                    yield head, rows, subjects
+                    yield head, rows, fetch(_READ_SUBJECTS, (after, last))
                     after = last
 
     def head_size(self) -> int:
