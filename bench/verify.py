@@ -2,7 +2,8 @@
 chunks on worker processes beside the audit in one process (`--workers 1`) in the same run,
 runs interleaved, with the bare cost of hashing the same entry bytes (SHA-256 leaf hashes
 only) as a floor. Peak memory is the sum of the command's processes (it and its workers),
-sampled every 20 ms, and the largest single process.
+sampled every 20 ms, and the largest single process; CPU time of the command (with its
+workers) and of the server, per million entries.
 
     uv run python -m bench.verify [--entries 1000000] [--repeat 3] [--workers N]
 """
@@ -92,7 +93,9 @@ class Run:
     entries: int
     workers: int
     peak_sum: int  # bytes: the command and its workers together, sampled
-    peak_one: int  # bytes: the largest single process (the kernel's high-water mark)
+    # bytes: the largest single process, sampled (the kernel's high-water mark of a child
+    # forked from this process counts this process's own memory)
+    peak_one: int
     cpu: float  # seconds: the command and its workers
     server_cpu: float
 
@@ -111,13 +114,14 @@ def verify(server: Server, workers: int) -> Run:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
         )
-        peak = [0]
+        peak = [0, 0]
         done = threading.Event()
 
         def sample() -> None:
             while not done.wait(0.02):
-                total = _rss(process.pid) + sum(_rss(c) for c in _children(process.pid))
-                peak[0] = max(peak[0], total)
+                each = [_rss(process.pid), *(_rss(c) for c in _children(process.pid))]
+                peak[0] = max(peak[0], sum(each))
+                peak[1] = max(peak[1], *each)
 
         sampler = threading.Thread(target=sample)
         sampler.start()
@@ -136,7 +140,7 @@ def verify(server: Server, workers: int) -> Run:
         report["ledger"]["entries"],
         report["ledger"]["workers"],
         peak[0],
-        usage.ru_maxrss * 1024,
+        peak[1],
         usage.ru_utime + usage.ru_stime,
         server_cpu,
     )
