@@ -173,6 +173,15 @@ ALTERATIONS: dict[str, Callable[[list[Row]], list[Row]]] = {
         *rows[32:],
     ],
     "not JSON": lambda rows: [*rows[:19], rebody(rows[19], "{not json"), *rows[20:]],
+    "not UTF-8 inside meta": lambda rows: [
+        *rows[:22],
+        dataclasses.replace(
+            rows[22],
+            body=rows[22].body.replace(b'"note":"line', b'"note":"\xffine'),
+            leaf_hash=leaf(rows[22].body.replace(b'"note":"line', b'"note":"\xffine')),
+        ),
+        *rows[23:],
+    ],
     "not UTF-8": lambda rows: [
         *rows[:35],
         dataclasses.replace(rows[35], body=b"\xff\xfe", leaf_hash=leaf(b"\xff\xfe")),

@@ -25,11 +25,11 @@ if TYPE_CHECKING:
 
 _DECODER = json.JSONDecoder()
 _decode = _DECODER.decode
-# What `_DECODER.decode` calls once it has skipped leading white space: a text it takes whole
-# decodes to the same value either way.
 # A string as canonical JSON writes it (RFC 8785 escapes what Python's encoder escapes when
 # it keeps non-ASCII characters); a string it writes otherwise only misses the fast path.
 _QUOTE: Callable[[str], str] = json.encoder.encode_basestring
+# What `_DECODER.decode` calls once it has skipped leading white space: a text it takes whole
+# decodes to the same value either way.
 _SCAN: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(_DECODER)  # type: ignore[arg-type]
 
 Progress = Callable[[int], None]
@@ -456,7 +456,10 @@ class ChunkAudit:
                 # fields are the stored columns, the chain's hash and its position, around one
                 # JSON value (the meta). Such text decodes to those fields and nothing else,
                 # so the full check below would pass; any other text takes that check.
-                text = body.decode(errors="replace")
+                try:
+                    text = body.decode()
+                except UnicodeDecodeError:
+                    text = ""
                 head = (
                     f'{{"author":{quote(authors[i])},"external":'
                     f'{"true" if external[i] is True else "false"},"index":{n},'
