@@ -150,10 +150,13 @@ def audit_in_chunks(
                 errors.append(exc)
                 lock.notify_all()
 
-    pool = [_Worker() for _ in range(min(workers, count))]
-    auditor.report.workers = len(pool)
-    threads = [threading.Thread(target=run, args=(w,), daemon=True) for w in pool]
+    pool: list[_Worker] = []
+    threads: list[threading.Thread] = []
     try:
+        for _ in range(min(workers, count)):
+            pool.append(_Worker())
+        auditor.report.workers = len(pool)
+        threads = [threading.Thread(target=run, args=(w,), daemon=True) for w in pool]
         for thread in threads:
             thread.start()
         for k in range(count):
