@@ -512,8 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=_positive,
         metavar="N",
-        help="processes that audit chunks of the ledger side by side (default: one a core; "
-        "1 audits in this process)",
+        help="processes that audit chunks of the ledger side by side (default: one a core, "
+        "up to 3; 1 audits in this process)",
     )
     p.add_argument(
         "--chunk",

@@ -43,8 +43,9 @@ _START: Final = (
 
 
 def default_workers() -> int:
-    """One a core, up to four: each worker holds about 30 MiB, the command about 100."""
-    return max(1, min(4, len(os.sched_getaffinity(0))))
+    """One a core, up to three: each worker holds about 30 MiB and the command about 100, so
+    that the audit stays under 200 MiB."""
+    return max(1, min(3, len(os.sched_getaffinity(0))))
 
 
 class _Worker:
