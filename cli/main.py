@@ -25,6 +25,7 @@ from cli.tier import add_tier_commands
 from cli.times import time_arg
 from vault import config as config_module
 from vault.client import BlobInfo, ProvenEntry, VaultClient
+from vault.client.audit import CHUNK, default_workers
 from vault.client.connect import open_client
 from vault.config import Config
 from vault.digest import Digest
@@ -311,7 +312,11 @@ def cmd_verify(args: argparse.Namespace, config: Config) -> int:
             )
             result["witnesses"] = {"size": checkpoint.size, "cosigned_by": names}
         bar = Progress("verify ledger", None, unit="entries")
-        report = client.audit(progress=lambda done, total: bar.set(done, total))
+        report = client.audit(
+            progress=lambda done, total: bar.set(done, total),
+            workers=args.workers or default_workers(),
+            chunk=args.chunk,
+        )
         bar.close()
         ok = report.ok
         failures = sorted(report.failures, key=lambda f: f.index)
@@ -319,6 +324,7 @@ def cmd_verify(args: argparse.Namespace, config: Config) -> int:
             "ok": report.ok,
             "entries": report.entries,
             "checkpoints": report.checkpoints,
+            "workers": report.workers,
             "first_break": report.first.index if report.first else None,
             "failures": [{"index": f.index, "message": f.message} for f in failures],
         }
@@ -386,6 +392,13 @@ def _positive(text: str) -> int:
     value = _non_negative(text)
     if value == 0:
         raise argparse.ArgumentTypeError("expected a positive number, found 0")
+    return value
+
+
+def _power_of_two(text: str) -> int:
+    value = _positive(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"expected a power of two, found {value}")
     return value
 
 
@@ -495,6 +508,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--blobs", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON object: what was checked")
+    p.add_argument(
+        "--workers",
+        type=_positive,
+        metavar="N",
+        help="processes that audit chunks of the ledger side by side (default: one a core, "
+        "up to 3; 1 audits in this process)",
+    )
+    p.add_argument(
+        "--chunk",
+        type=_power_of_two,
+        default=CHUNK,
+        metavar="ENTRIES",
+        help=f"entries a worker audits at once, a power of two (default {CHUNK})",
+    )
     p.add_argument(
         "--witness",
         action="append",

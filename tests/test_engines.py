@@ -278,9 +278,15 @@ def test_a_database_that_cannot_be_opened_is_one_line_from_serve(tmp_path: Path)
     )
 
 
-def test_verify_passes_while_writers_append(server: VaultServer) -> None:
+@pytest.mark.parametrize(
+    "verify_args", [(), ("--workers", "2", "--chunk", "2048")], ids=["one-process", "in-chunks"]
+)
+def test_verify_passes_while_writers_append(
+    server: VaultServer, verify_args: tuple[str, ...]
+) -> None:
     """`vault verify` audits one snapshot of the ledger (its head and the rows up to it), so
-    an untampered ledger verifies while other writers keep appending."""
+    an untampered ledger verifies while other writers keep appending; in chunks too, whose
+    streams each read a later snapshot than the head's."""
     author = "live-writer"
 
     def batch(start: int, count: int) -> pb.PinBatchRequest:
@@ -321,7 +327,7 @@ def test_verify_passes_while_writers_append(server: VaultServer) -> None:
     try:
         for _ in range(3):
             before = sum(appended)
-            run = server.run("verify")
+            run = server.run("verify", *verify_args)
             assert run.returncode == 0 and "ledger OK" in run.stdout, run.describe()
             assert sum(appended) > before, "appends went on while the audit ran"
     finally:

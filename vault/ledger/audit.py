@@ -1,21 +1,36 @@
 """`vault verify`'s audit: re-derive every leaf hash, chain link, Merkle root and signature from
 the stored ledger, and name the first index where anything breaks. No I/O: the caller streams
-the stored rows and checkpoint notes in."""
+the stored rows and checkpoint notes in, either all to one `Auditor` or, to use several
+processes, each aligned chunk of rows to its own `ChunkAudit`, whose results the `Auditor`
+joins in index order."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import json.encoder
+import json.scanner
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vault.errors import VerificationError
-from vault.ledger.checkpoint import Checkpoint, Verifier
 from vault.ledger.entry import FORMAT_VERSION, ZERO_HASH
 from vault.ledger.merkle import CompactRange
 
+if TYPE_CHECKING:
+    # Only the Auditor's caller opens checkpoints; a chunk's worker process never needs
+    # the signature code.
+    from vault.ledger.checkpoint import Checkpoint, Verifier
+
 _DECODER = json.JSONDecoder()
+_decode = _DECODER.decode
+# A string as canonical JSON writes it (RFC 8785 escapes what Python's encoder escapes when
+# it keeps non-ASCII characters); a string it writes otherwise only misses the fast path.
+_QUOTE: Callable[[str], str] = json.encoder.encode_basestring
+# What `_DECODER.decode` calls once it has skipped leading white space: a text it takes whole
+# decodes to the same value either way.
+_SCAN: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(_DECODER)  # type: ignore[arg-type]
 
 Progress = Callable[[int], None]
 
@@ -57,6 +72,8 @@ class AuditReport:
     entries: int = 0
     checkpoints: int = 0
     failures: list[Failure] = field(default_factory=list)
+    # Processes that audited chunks of the entries side by side (1: the caller's alone).
+    workers: int = 1
 
     @property
     def ok(self) -> bool:
@@ -96,9 +113,14 @@ class Auditor:
     def _fail(self, index: int, message: str) -> None:
         self.report.failures.append(Failure(index, message))
 
+    def checkpoint_sizes(self) -> list[int]:
+        """The sizes of the checkpoints whose roots are still to be checked, in order."""
+        return sorted(self._roots)
+
     def _check_roots(self, size: int) -> None:
         for checkpoint in self._roots.pop(size, ()):
-            if checkpoint.root != self._range.root():
+            # A tree missing stored entries (a gap was reported) is never the signed one.
+            if self._range.size != size or checkpoint.root != self._range.root():
                 self._fail(
                     _last_index(size),
                     f"the Merkle root of the first {size} entries does not match the root "
@@ -158,26 +180,59 @@ class Auditor:
                 self._check_roots(n + 1)
 
     def _check_body(self, n: int, body: dict[str, Any], row: StoredRow) -> None:
-        """Name what is wrong with an entry that did not match (the slow, rare path)."""
-        if not body:
+        _check_body(
+            self._fail,
+            n,
+            body,
+            self._prev.hex(),
+            (row.kind, row.author, row.time, row.external, list(row.subjects)),
+        )
+
+    def absorb(self, chunk: ChunkResult) -> None:
+        """Join the audit of the next chunk of rows, in index order: check its first row
+        against the hash of the entry before it, the chunk's link to it and every checkpoint
+        whose size falls in it, and extend the tree by the chunk's leaves."""
+        first = chunk.first
+        if first is None:
             return
-        if body.get("v") != FORMAT_VERSION:
-            self._fail(n, "the entry is not a version-1 entry object")
-            return
-        if body.get("index") != n:
-            self._fail(n, f"the entry at position {n} says it is entry {body.get('index')!r}")
-        if body.get("prev") != self._prev.hex():
-            self._fail(n, f"chain broken: the entry's prev hash is not the hash of entry {n - 1}")
-        if (
-            body.get("kind") != row.kind
-            or body.get("author") != row.author
-            or body.get("time") != row.time
-            or body.get("external") != row.external
-            or sorted(body.get("subjects") or ()) != list(row.subjects)
-        ):
-            self._fail(
-                n, "the stored index columns (kind, author, time, subjects) disagree with the entry"
+        n = self.report.entries
+        if first.index != n:
+            self._fail(n, f"entry {n} is missing (the next stored entry is {first.index})")
+        contiguous = self._range.size == n == chunk.start == first.index
+        _check_row(
+            self._fail,
+            first.index,
+            self._prev.hex(),
+            first.body,
+            first.leaf_hash,
+            first.kind,
+            first.author,
+            first.time,
+            first.external,
+            first.subjects,
+        )
+        self.report.failures.extend(chunk.failures)
+        for size, leaves, nodes in chunk.ranges:
+            checkpoints = self._roots.pop(size, ())
+            if not checkpoints:
+                continue
+            # A tree missing stored entries (a gap was reported) is never the signed one.
+            root = (
+                self._range.root_with(nodes)
+                if contiguous and leaves == size - chunk.start
+                else None
             )
+            for checkpoint in checkpoints:
+                if checkpoint.root != root:
+                    self._fail(
+                        _last_index(size),
+                        f"the Merkle root of the first {size} entries does not match the root "
+                        f"signed in the checkpoint for size {size}",
+                    )
+        if contiguous and chunk.leaves == chunk.last_index + 1 - chunk.start:
+            self._range.join(chunk.nodes, chunk.leaves)
+        self._prev = chunk.last_leaf
+        self.report.entries = chunk.last_index + 1
 
     def finish(self, head_size: int) -> AuditReport:
         n = self.report.entries
@@ -209,3 +264,277 @@ def _note_size(note: str) -> int:
         return int(lines[1])
     except (IndexError, ValueError):
         return 0
+
+
+def _check_body(
+    fail: Callable[[int, str], None],
+    n: int,
+    body: dict[str, Any],
+    prev_hex: str,
+    columns: tuple[str, str, str, bool, list[str]],
+) -> None:
+    """Name what is wrong with an entry that did not match (the slow, rare path)."""
+    if not body:
+        return
+    if body.get("v") != FORMAT_VERSION:
+        fail(n, "the entry is not a version-1 entry object")
+        return
+    if body.get("index") != n:
+        fail(n, f"the entry at position {n} says it is entry {body.get('index')!r}")
+    if body.get("prev") != prev_hex:
+        fail(n, f"chain broken: the entry's prev hash is not the hash of entry {n - 1}")
+    kind, author, time, external, subjects = columns
+    if (
+        body.get("kind") != kind
+        or body.get("author") != author
+        or body.get("time") != time
+        or body.get("external") != external
+        or sorted(body.get("subjects") or ()) != subjects
+    ):
+        fail(n, "the stored index columns (kind, author, time, subjects) disagree with the entry")
+
+
+def _check_row(
+    fail: Callable[[int, str], None],
+    n: int,
+    prev_hex: str,
+    body: bytes,
+    stored_leaf: bytes,
+    kind: str,
+    author: str,
+    time: str,
+    external: bool,
+    subjects: list[str],
+) -> bytes:
+    """Check one stored row at position `n` after the entry whose hash is `prev_hex`, as
+    `Auditor.feed` does; return its leaf hash."""
+    leaf = hashlib.sha256(b"\x00" + body).digest()
+    if leaf != stored_leaf:
+        fail(n, "the stored leaf hash does not match the entry's bytes")
+    try:
+        entry = _DECODER.decode(body.decode())
+        fields: tuple[Any, ...] = (
+            entry["v"],
+            entry["index"],
+            entry["prev"],
+            entry["kind"],
+            entry["author"],
+            entry["time"],
+            entry["external"],
+        )
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError):
+        fail(n, "the entry's bytes are not a version-1 entry object")
+        entry, fields = {}, ()
+    if (
+        fields != (FORMAT_VERSION, n, prev_hex, kind, author, time, external)
+        or sorted(entry.get("subjects") or ()) != subjects
+    ):
+        _check_body(fail, n, entry, prev_hex, (kind, author, time, external, subjects))
+    return leaf
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One stored row, as `StoredRow` describes it."""
+
+    index: int
+    body: bytes
+    leaf_hash: bytes
+    kind: str
+    author: str
+    time: str
+    external: bool
+    subjects: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkResult:
+    """What `ChunkAudit` found in rows [start, end): failures of every row but the first,
+    which is handed back whole (only the `Auditor` knows the hash of the entry before it); the
+    range's nodes at each checkpoint size in the chunk and at its end; the last row's index
+    and leaf hash, which the next chunk's first entry must name."""
+
+    start: int
+    end: int
+    first: Row | None
+    last_index: int
+    last_leaf: bytes
+    leaves: int
+    nodes: tuple[bytes, ...]
+    ranges: list[tuple[int, int, tuple[bytes, ...]]]
+    failures: list[Failure]
+
+
+class ChunkAudit:
+    """The audit of the stored rows with indexes in [start, end), where `start` is a multiple
+    of a power of two no smaller than `end - start` (so that the chunk's Merkle nodes join the
+    ones before it): every leaf hash, every row's agreement with its index columns and every
+    chain link inside the chunk. `sizes` are the checkpoint sizes in (start, end], at which the
+    chunk's range is kept. Feed its rows in index order as columns (`feed`), then `result`."""
+
+    def __init__(self, start: int, end: int, sizes: Iterable[int]) -> None:
+        self.start, self.end = start, end
+        self._sizes = frozenset(sizes)
+        self._range = CompactRange()
+        self._failures: list[Failure] = []
+        self._first: Row | None = None
+        self._next = start
+        self._prev = ZERO_HASH
+        self._ranges: list[tuple[int, int, tuple[bytes, ...]]] = []
+
+    def _fail(self, index: int, message: str) -> None:
+        self._failures.append(Failure(index, message))
+
+    def feed(
+        self,
+        indexes: Sequence[int],
+        bodies: Sequence[bytes],
+        leaf_hashes: bytes,
+        kinds: Sequence[str],
+        authors: Sequence[str],
+        times: Sequence[str],
+        external: Sequence[bool],
+        subject_counts: Sequence[int],
+        subjects: Sequence[str],
+    ) -> None:
+        """Rows as the columns of `vault.ledger.RawColumns`. Rows outside the chunk belong to
+        another chunk and are left to it."""
+        if len(leaf_hashes) != 32 * len(indexes) or not (
+            len(indexes)
+            == len(bodies)
+            == len(kinds)
+            == len(authors)
+            == len(times)
+            == len(external)
+            == len(subject_counts)
+        ):
+            raise VerificationError("a batch of stored rows has columns of different lengths")
+        # The hot loop of a parallel `vault verify`: `_check_row` inlined, the leaf hashes
+        # compared in place, the JSON scanner called directly (`_decode` where it stops short).
+        sha256 = hashlib.sha256
+        scan = _SCAN
+        quote = _QUOTE
+        fail = self._fail
+        sizes = self._sizes
+        start, end = self.start, self.end
+        leaves: list[bytes] = []
+        marks: list[tuple[int, int]] = []
+        n = self._next
+        prev_hex = self._prev.hex()
+        offset = 0
+        for i, index in enumerate(indexes):
+            count = subject_counts[i]
+            row_subjects = list(subjects[offset : offset + count])
+            offset += count
+            if index < start or index >= end:
+                continue
+            body = bodies[i]
+            leaf = sha256(b"\x00" + body).digest()
+            if self._first is None:
+                # Checked by the Auditor, which knows the hash of the entry before it.
+                n = index
+                self._first = Row(
+                    index,
+                    body,
+                    leaf_hashes[32 * i : 32 * i + 32],
+                    kinds[i],
+                    authors[i],
+                    times[i],
+                    external[i],
+                    row_subjects,
+                )
+            else:
+                if index != n:
+                    if index < n:
+                        fail(n, f"entry {index} appears again after entry {n - 1}")
+                        continue
+                    fail(n, f"entry {n} is missing (the next stored entry is {index})")
+                    n = index
+                if not leaf_hashes.startswith(leaf, 32 * i):
+                    fail(n, "the stored leaf hash does not match the entry's bytes")
+                # The fast path: the entry exactly as the canonical encoding writes one whose
+                # fields are the stored columns, the chain's hash and its position, around one
+                # JSON value (the meta). Such text decodes to those fields and nothing else,
+                # so the full check below would pass; any other text takes that check.
+                try:
+                    text = body.decode()
+                except UnicodeDecodeError:
+                    text = ""
+                head = (
+                    f'{{"author":{quote(authors[i])},"external":'
+                    f'{"true" if external[i] is True else "false"},"index":{n},'
+                    f'"kind":{quote(kinds[i])},"meta":'
+                )
+                tail = (
+                    f',"prev":"{prev_hex}","subjects":[{",".join(map(quote, row_subjects))}],'
+                    f'"time":{quote(times[i])},"v":{FORMAT_VERSION}}}'
+                )
+                if (
+                    text.startswith(head)
+                    and text.endswith(tail)
+                    and (count < 2 or row_subjects == sorted(row_subjects))
+                ):
+                    try:
+                        stop = scan(text, len(head))[1]
+                    except (StopIteration, ValueError):
+                        stop = -1
+                    if stop == len(text) - len(tail):
+                        leaves.append(leaf)
+                        prev_hex = leaf.hex()
+                        n += 1
+                        if n in sizes:
+                            marks.append((n, len(leaves)))
+                        continue
+                try:
+                    text = body.decode()
+                    try:
+                        entry, stop = scan(text, 0)
+                    except StopIteration:
+                        entry, stop = _decode(text), len(text)
+                    if stop != len(text):
+                        entry = _decode(text)
+                    fields: tuple[Any, ...] = (
+                        entry["v"],
+                        entry["index"],
+                        entry["prev"],
+                        entry["kind"],
+                        entry["author"],
+                        entry["time"],
+                        entry["external"],
+                    )
+                except (UnicodeDecodeError, ValueError, TypeError, KeyError):
+                    fail(n, "the entry's bytes are not a version-1 entry object")
+                    entry, fields = {}, ()
+                columns = (kinds[i], authors[i], times[i], external[i])
+                if (
+                    fields != (FORMAT_VERSION, n, prev_hex, *columns)
+                    or sorted(entry.get("subjects") or ()) != row_subjects
+                ):
+                    _check_body(fail, n, entry, prev_hex, (*columns, row_subjects))
+            leaves.append(leaf)
+            prev_hex = leaf.hex()
+            n += 1
+            if n in sizes:
+                marks.append((n, len(leaves)))
+        self._next = n
+        if leaves:
+            self._prev = leaves[-1]
+        done = 0
+        for size, upto in marks:
+            self._range.extend(leaves[done:upto])
+            done = upto
+            self._ranges.append((size, self._range.size, self._range.nodes()))
+        self._range.extend(leaves[done:])
+
+    def result(self) -> ChunkResult:
+        return ChunkResult(
+            start=self.start,
+            end=self.end,
+            first=self._first,
+            last_index=self._next - 1,
+            last_leaf=self._prev,
+            leaves=self._range.size,
+            nodes=self._range.nodes(),
+            ranges=self._ranges,
+            failures=self._failures,
+        )

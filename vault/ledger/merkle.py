@@ -351,14 +351,59 @@ class CompactRange:
             n >>= 1
         stack.append(leaf_hash)
 
-    def root(self) -> bytes:
+    def extend(self, leaf_hashes: Iterable[bytes]) -> None:
+        """`append` each of these, in order."""
+        n = self._size
         stack = self._stack
+        sha256, prefix = _sha256, _NODE_PREFIX
+        for node in leaf_hashes:
+            if len(node) != HASH_SIZE:
+                raise ValueError(f"a leaf hash is {HASH_SIZE} bytes, found {len(node)}")
+            m = n
+            n += 1
+            while m & 1:
+                node = sha256(prefix + stack.pop() + node).digest()
+                m >>= 1
+            stack.append(node)
+        self._size = n
+
+    def root(self) -> bytes:
+        return self.root_with(())
+
+    def nodes(self) -> tuple[bytes, ...]:
+        """The roots of the perfect subtrees that make up the leaves so far, largest first."""
+        return tuple(self._stack)
+
+    def root_with(self, nodes: Sequence[bytes]) -> bytes:
+        """The root of these leaves followed by those of another range whose `nodes` these
+        are, which starts where this one ends: its size must be at most the lowest set bit
+        of this one's size (any size when this one is empty), as a chunk's range is when chunks
+        start at multiples of a power of two no smaller than any chunk."""
+        stack = [*self._stack, *nodes]
         if not stack:
             return EMPTY_ROOT
         node = stack[-1]
         for left in reversed(stack[:-1]):
             node = _sha256(_NODE_PREFIX + left + node).digest()
         return node
+
+    def join(self, nodes: Sequence[bytes], size: int) -> None:
+        """Append the leaves of another range of `size` leaves whose `nodes` these are, which
+        starts where this one ends, on the same condition as `root_with`."""
+        if self._size and size > self._size & -self._size:
+            raise ValueError(f"a range of {size} leaves does not join one of {self._size}")
+        heights = [h for h in range(size.bit_length() - 1, -1, -1) if size >> h & 1]
+        if len(heights) != len(nodes):
+            raise ValueError(f"a range of {size} leaves has {len(heights)} nodes, not {len(nodes)}")
+        stack = self._stack
+        for height, node in zip(heights, nodes, strict=True):
+            n = self._size >> height
+            self._size += 1 << height
+            # As in `append`, one subtree of this height at a time.
+            while n & 1:
+                node = _sha256(_NODE_PREFIX + stack.pop() + node).digest()
+                n >>= 1
+            stack.append(node)
 
 
 def _check_hash(value: bytes, what: str, index: int | None = None) -> None:

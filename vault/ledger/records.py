@@ -60,6 +60,23 @@ class RawEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class RawColumns:
+    """A batch of `RawEntry` rows as columns: the i-th value of each belongs to the i-th row;
+    `leaf_hashes` 32 bytes a row; each row's `subject_counts` subjects follow one another in
+    `subjects`, sorted."""
+
+    indexes: Sequence[int]
+    bodies: Sequence[bytes]
+    leaf_hashes: bytes
+    kinds: Sequence[str]
+    authors: Sequence[str]
+    times: Sequence[str]
+    external: Sequence[int]
+    subject_counts: Sequence[int]
+    subjects: Sequence[str]
+
+
+@dataclass(frozen=True, slots=True)
 class SignedCheckpoint:
     checkpoint: Checkpoint
     note: str

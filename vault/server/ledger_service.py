@@ -257,7 +257,27 @@ class LedgerService(Service, rpc.LedgerServicer):
     def ReadEntries(
         self, request: pb.ReadEntriesRequest, context: Any
     ) -> Iterator[pb.StoredEntries]:
-        for head, batch in self.ledger.read_raw(request.start):
+        end = request.end or None
+        if request.columns:
+            for head, columns in self.ledger.read_columns(
+                request.start, end, from_head=request.from_head
+            ):
+                yield pb.StoredEntries(
+                    head_size=head,
+                    columns=pb.StoredColumns(
+                        indexes=columns.indexes,
+                        bodies=columns.bodies,
+                        leaf_hashes=columns.leaf_hashes,
+                        kinds=columns.kinds,
+                        authors=columns.authors,
+                        times=columns.times,
+                        external=map(bool, columns.external),
+                        subject_counts=columns.subject_counts,
+                        subjects=columns.subjects,
+                    ),
+                )
+            return
+        for head, batch in self.ledger.read_raw(request.start, end, from_head=request.from_head):
             yield pb.StoredEntries(
                 head_size=head,
                 entries=[

@@ -1114,15 +1114,31 @@ class ReadEntriesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     START_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    COLUMNS_FIELD_NUMBER: _builtins.int
+    FROM_HEAD_FIELD_NUMBER: _builtins.int
     start: _builtins.int
+    end: _builtins.int
+    """Stop before this index; 0 reads to the end of what is stored."""
+    columns: _builtins.bool
+    """Send the rows as columns (StoredEntries.columns), far cheaper to encode and decode than a
+    message per entry.
+    """
+    from_head: _builtins.bool
+    """Start at the size the ledger's head records, in the same snapshot as that size, instead of
+    at `start`: the rows no append left past the head (normally none), with the head's size.
+    """
     def __init__(
         self,
         *,
         start: _builtins.int = ...,
+        end: _builtins.int = ...,
+        columns: _builtins.bool = ...,
+        from_head: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["start", b"start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["columns", b"columns", "end", b"end", "from_head", b"from_head", "start", b"start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1176,23 +1192,85 @@ class StoredEntries(_message.Message):
 
     ENTRIES_FIELD_NUMBER: _builtins.int
     HEAD_SIZE_FIELD_NUMBER: _builtins.int
+    COLUMNS_FIELD_NUMBER: _builtins.int
     head_size: _builtins.int
     """The size the ledger's head record claims, in the first message."""
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___StoredEntry]: ...
+    @_builtins.property
+    def columns(self) -> Global___StoredColumns:
+        """The same rows as `entries`, when the request asked for columns."""
+
     def __init__(
         self,
         *,
         entries: _abc.Iterable[Global___StoredEntry] | None = ...,
         head_size: _builtins.int = ...,
+        columns: Global___StoredColumns | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["columns", b"columns"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "head_size", b"head_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["columns", b"columns", "entries", b"entries", "head_size", b"head_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StoredEntries: _TypeAlias = StoredEntries  # noqa: Y015
+
+@_typing.final
+class StoredColumns(_message.Message):
+    """Stored entry rows as columns: the i-th value of each list belongs to the i-th row."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEXES_FIELD_NUMBER: _builtins.int
+    BODIES_FIELD_NUMBER: _builtins.int
+    LEAF_HASHES_FIELD_NUMBER: _builtins.int
+    KINDS_FIELD_NUMBER: _builtins.int
+    AUTHORS_FIELD_NUMBER: _builtins.int
+    TIMES_FIELD_NUMBER: _builtins.int
+    EXTERNAL_FIELD_NUMBER: _builtins.int
+    SUBJECT_COUNTS_FIELD_NUMBER: _builtins.int
+    SUBJECTS_FIELD_NUMBER: _builtins.int
+    leaf_hashes: _builtins.bytes
+    """32 bytes a row."""
+    @_builtins.property
+    def indexes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def bodies(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    @_builtins.property
+    def kinds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def authors(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def times(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def external(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]: ...
+    @_builtins.property
+    def subject_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """How many of `subjects` each row has; its subjects follow one another, each row's sorted."""
+
+    @_builtins.property
+    def subjects(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        indexes: _abc.Iterable[_builtins.int] | None = ...,
+        bodies: _abc.Iterable[_builtins.bytes] | None = ...,
+        leaf_hashes: _builtins.bytes = ...,
+        kinds: _abc.Iterable[_builtins.str] | None = ...,
+        authors: _abc.Iterable[_builtins.str] | None = ...,
+        times: _abc.Iterable[_builtins.str] | None = ...,
+        external: _abc.Iterable[_builtins.bool] | None = ...,
+        subject_counts: _abc.Iterable[_builtins.int] | None = ...,
+        subjects: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["authors", b"authors", "bodies", b"bodies", "external", b"external", "indexes", b"indexes", "kinds", b"kinds", "leaf_hashes", b"leaf_hashes", "subject_counts", b"subject_counts", "subjects", b"subjects", "times", b"times"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoredColumns: _TypeAlias = StoredColumns  # noqa: Y015
 
 @_typing.final
 class ReadCheckpointsRequest(_message.Message):
