@@ -28,6 +28,7 @@ from vault.server.database import open_ledger_database
 from vault.server.folder_lock import only_server
 from vault.server.gatekeeper import Gatekeeper, Limits
 from vault.server.metrics import ScrubWatch, Sources, serve_metrics
+from vault.server.sequencer import sequencer_link
 from vault.server.service import build_server
 from vault.server.store_service import ScrubRunner
 from vault.server.tiles_http import TilesServer
@@ -170,6 +171,10 @@ def serve(
     `stopping` when a signal came."""
     listen = listen or config.server.listen
     check_access(config, listen)
+    if config.ledger.sequencer not in ("process", "thread"):
+        raise ConfigError(
+            f"unknown ledger.sequencer {config.ledger.sequencer!r}: expected process or thread"
+        )
     tls = server_credentials(config)
     witnesses = configured_witnesses(config)
     # Nothing the vault writes (its database and journals, keys, blobs, the handoff socket) is
@@ -205,6 +210,9 @@ def _serve_folder(
 ) -> None:
     key = load_or_create_key(config)
     db = open_ledger_database(config)
+    sequencer = None
+    if config.ledger.sequencer == "process":
+        sequencer = sequencer_link(config.database_url, commit_window=config.ledger.commit_window)
     ledger = Ledger(
         db,
         key,
@@ -213,6 +221,7 @@ def _serve_folder(
         commit_window=config.ledger.commit_window,
         last_signed=config.data_path / LAST_SIGNED,
         tiles=config.data_path / TILES,
+        sequencer=sequencer,
     )
     witnessing = start_witnessing(config, ledger, witnesses) if witnesses else None
     # The entry bundles name every entry, which only an auditor may list when callers need
