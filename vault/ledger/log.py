@@ -40,7 +40,6 @@ from vault.ledger.sequencer import (
 )
 from vault.ledger.sequencer import (
     MAX_BATCH,
-    Committed,
     SequencerLink,
     Waiting,
     fields,
@@ -87,11 +86,12 @@ class Ledger:
 
     Appends go through one writer that commits whatever has queued up in a single transaction
     (group commit: many appends share one sync) and acknowledges only after the commit: a
-    sequencer process of the server's own (`sequencer`, see vault.ledger.sequencer), or else a
-    thread of this process. The Merkle tree is a cache of the stored leaf hashes; it catches up
-    with entries other servers appended to the same database before it answers for them. With a
-    tile folder, the checkpointer writes the tiles of the latest checkpoint from that tree, then
-    publishes the checkpoint beside them (within an interval of its signing).
+    thread of this process, or (`writer=False`) a sequencer process of the server's own, whose
+    link the server attaches (`attach`, see vault.ledger.sequencer). The Merkle tree is a cache
+    of the stored leaf hashes; it catches up with entries other servers appended to the same
+    database before it answers for them. With a tile folder, the checkpointer writes the tiles
+    of the latest checkpoint from that tree, then publishes the checkpoint beside them (within
+    an interval of its signing).
     """
 
     def __init__(
@@ -104,13 +104,13 @@ class Ledger:
         commit_window: float = 0.002,
         last_signed: Path | None = None,
         tiles: Path | None = None,
-        sequencer: Callable[[Committed], SequencerLink] | None = None,
+        writer: bool = True,
     ) -> None:
         """`last_signed`: a file outside the database where the server keeps the last
         checkpoint it signed; at start the stored entries must agree with it. `tiles`: the
         folder of the tree's C2SP tlog-tiles, written after checkpoints are signed.
-        `sequencer`: opens the link to a sequencer process, given what to tell of each commit;
-        without it, appends are written by a thread of this process."""
+        `writer`: whether a thread of this process writes the appends; without it, appends wait
+        for the link to a sequencer process (`attach`)."""
         self.db = db
         self.last_signed = None if last_signed is None else LastSigned(last_signed)
         self.tiles = None if tiles is None else TileStore(tiles)
@@ -151,9 +151,7 @@ class Ledger:
             self._tiles_resumed = self.tiles.resume(self.verifier, self._tree.size, self._tree.root)
         self._link: SequencerLink | None = None
         self._writer: threading.Thread | None = None
-        if sequencer is not None:
-            self._link = sequencer(self._committed)
-        else:
+        if writer:
             self._writer = threading.Thread(
                 target=self._write_loop, name="ledger-writer", daemon=True
             )
@@ -177,6 +175,8 @@ class Ledger:
             return done
         if self._link is not None:
             return self._link.submit(pins)
+        if self._writer is None:
+            raise Unavailable("the ledger's sequencer is not linked yet: retry")
         request = Waiting(pins)
         self._queue.put(request)
         return request.future
@@ -187,6 +187,8 @@ class Ledger:
             return []
         if self._link is not None:
             return await self._link.append(pins)
+        if self._writer is None:
+            raise Unavailable("the ledger's sequencer is not linked yet: retry")
         waiter: asyncio.Future[list[StoredEntry]] = asyncio.get_running_loop().create_future()
         self._queue.put(Waiting(pins, waiter))
         return await waiter
@@ -267,7 +269,12 @@ class Ledger:
             index = end
         return results
 
-    def _committed(self, first: int, leaves: list[bytes]) -> None:
+    def attach(self, link: SequencerLink) -> None:
+        """Send appends to a sequencer process from now on (`committed` is what its link tells
+        of each commit)."""
+        self._link = link
+
+    def committed(self, first: int, leaves: list[bytes]) -> None:
         """A commit of the sequencer process: its leaves join the tree if it has every entry
         before them (else the next catch-up reads them from the database)."""
         with self._tree_lock:
@@ -741,8 +748,6 @@ class Ledger:
         if self._closed.is_set():
             return
         self._closed.set()
-        if self._link is not None:
-            self._link.close()
         if self._writer is not None:
             self._queue.put(_STOP)
             self._writer.join()

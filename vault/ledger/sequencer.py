@@ -15,7 +15,6 @@ import contextlib
 import logging
 import marshal
 import queue
-import select
 import socket
 import struct
 import threading
@@ -314,140 +313,201 @@ def _error(name: str, message: str) -> VaultError:
 
 
 Connect = Callable[[], socket.socket]
-# Told the first index and the leaf hashes of each commit (in commit order, from one thread).
+# Told the first index and the leaf hashes of each commit, in commit order, on the event loop.
 Committed = Callable[[int, list[bytes]], None]
 _RETRY_MIN: Final = 0.1
 _RETRY_MAX: Final = 5.0
 
 
 class SequencerLink:
-    """The server's end of the link to its sequencer process: sends each append as one frame,
-    and acknowledges it only when the sequencer's reply says its commit is durable. A
-    sequencer that stops fails every append in flight with UNAVAILABLE (whether its commit
-    happened is unknown, so none is acknowledged), and `connect` starts another."""
+    """The server's end of the link to its sequencer process, run by the server's event loop
+    itself: the appends of one turn of the loop leave in one write, and each reply (one a
+    commit) is read and settled there, with no thread between the loop and the socket to
+    trade the interpreter lock with. An append is acknowledged only when the sequencer's reply
+    says its commit is durable. A sequencer that stops fails every append in flight with
+    UNAVAILABLE (whether its commit happened is unknown, so none is acknowledged), and
+    `connect` starts another."""
 
-    def __init__(self, connect: Connect, committed: Committed) -> None:
+    def __init__(
+        self, connect: Connect, committed: Committed, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self._connect = connect
         self._committed = committed
-        self._lock = threading.Lock()
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
         self._pending: deque[Waiting] = deque()
+        self._incoming = bytearray()
+        self._outgoing = bytearray()
+        self._flush_due = False
+        self._writing = False
+        self._sock: socket.socket | None = None
         self._closed = False
-        self._sock: socket.socket | None = connect()
-        self._reader = threading.Thread(target=self._read_loop, name="sequencer-link", daemon=True)
-        self._reader.start()
+        self._restart: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def open(cls, connect: Connect, committed: Committed) -> SequencerLink:
+        """A link on the running loop, to a sequencer `connect` starts (off the loop)."""
+        loop = asyncio.get_running_loop()
+        link = cls(connect, committed, loop)
+        link._attach(await loop.run_in_executor(None, connect))
+        return link
 
     @property
     def up(self) -> bool:
         return self._sock is not None
 
+    def _attach(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self._sock = sock
+        self._loop.add_reader(sock.fileno(), self._readable)
+
     def submit(self, pins: Sequence[PinSpec]) -> Future[list[StoredEntry]]:
-        request = Waiting(pins)
-        self._send(request)
-        return request.future
+        """`append` for a thread other than the loop's."""
+        if threading.get_ident() == self._loop_thread:
+            raise RuntimeError("the event loop's own thread appends with `append`")
+        return asyncio.run_coroutine_threadsafe(self.append(pins), self._loop)
 
     async def append(self, pins: Sequence[PinSpec]) -> list[StoredEntry]:
-        waiter: asyncio.Future[list[StoredEntry]] = asyncio.get_running_loop().create_future()
-        self._send(Waiting(pins, waiter))
+        if self._sock is None or self._closed:
+            raise Unavailable(
+                "the ledger's sequencer is not running (it is being started again): retry"
+            )
+        waiter: asyncio.Future[list[StoredEntry]] = self._loop.create_future()
+        frame = _frame(marshal.dumps([fields(p) for p in pins]))
+        self._pending.append(Waiting(pins, waiter))
+        self._outgoing += frame
+        if not self._flush_due:
+            self._flush_due = True
+            self._loop.call_soon(self._flush)
         return await waiter
 
-    def _send(self, request: Waiting) -> None:
-        frame = _frame(marshal.dumps([fields(p) for p in request.pins]))
-        with self._lock:
-            sock = self._sock
-            if sock is None:
-                raise Unavailable(
-                    "the ledger's sequencer is not running (it is being restarted): retry"
-                )
-            self._pending.append(request)
-            try:
-                sock.sendall(frame)
-            except OSError:
-                # Part of a frame may have gone: the stream is broken. The reader fails every
-                # append in flight, this one too, and starts another sequencer.
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+    def _flush(self) -> None:
+        self._flush_due = False
+        sock = self._sock
+        if sock is None or not self._outgoing:
+            return
+        try:
+            sent = sock.send(self._outgoing)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self._broken(sock, exc)
+            return
+        del self._outgoing[:sent]
+        if self._outgoing and not self._writing:
+            self._writing = True
+            self._loop.add_writer(sock.fileno(), self._flush)
+        elif not self._outgoing and self._writing:
+            self._writing = False
+            self._loop.remove_writer(sock.fileno())
 
-    def _read_loop(self) -> None:
-        delay = _RETRY_MIN
-        while True:
-            sock = self._sock
-            if sock is not None:
-                try:
-                    for frame in read_frames(sock):
-                        self._answer(marshal.loads(frame))
-                        delay = _RETRY_MIN
-                except (OSError, ValueError, EOFError, IndexError) as exc:
-                    if not self._closed:
-                        log.error("the link to the ledger's sequencer broke: %s", exc)
-                self._down(sock)
-            if self._closed:
-                return
-            time.sleep(delay)
-            delay = min(delay * 2, _RETRY_MAX)
-            try:
-                fresh = self._connect()
-            except Exception as exc:
-                log.error("the ledger's sequencer did not start again: %s", exc)
-                continue
-            with self._lock:
-                if self._closed:
-                    fresh.close()
-                    return
-                self._sock = fresh
-            log.warning("the ledger's sequencer started again")
+    def _readable(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            chunk = sock.recv(_READ_SIZE)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._broken(sock, exc)
+            return
+        if not chunk:
+            self._broken(sock, None)
+            return
+        incoming = self._incoming
+        incoming += chunk
+        start = 0
+        try:
+            while len(incoming) - start >= _LENGTH.size:
+                (length,) = _LENGTH.unpack_from(incoming, start)
+                end = start + _LENGTH.size + length
+                if end > len(incoming):
+                    break
+                self._answer(marshal.loads(incoming[start + _LENGTH.size : end]))
+                start = end
+        except (ValueError, EOFError, IndexError, TypeError) as exc:
+            self._broken(sock, exc)
+            return
+        del incoming[:start]
 
     def _answer(self, reply: tuple[Any, ...]) -> None:
-        count = reply[0]
-        with self._lock:
-            requests = [self._pending.popleft() for _ in range(count)]
+        pending = self._pending
+        requests = [pending.popleft() for _ in range(reply[0])]
         if isinstance(reply[1], str):
             error = _error(reply[1], reply[2])
-            settle_all((request, error) for request in requests)
+            for request in requests:
+                _settle_one(request, error)
             return
         first, bodies, joined = reply[1], reply[2], reply[3]
-        leaves = [joined[i : i + 32] for i in range(0, len(joined), 32)]
         # The tree learns the new leaves before any caller hears of them.
-        self._committed(first, leaves)
-        outcomes = []
+        self._committed(first, [joined[i : i + 32] for i in range(0, len(joined), 32)])
         index = first
         for request in requests:
             end = index + request.count
-            outcomes.append(
-                (
-                    request,
-                    [StoredEntry(i, bodies[i - first]) for i in range(index, end)],
-                )
-            )
+            _settle_one(request, [StoredEntry(i, bodies[i - first]) for i in range(index, end)])
             index = end
-        settle_all(iter(outcomes))
 
-    def _down(self, sock: socket.socket) -> None:
-        with self._lock:
-            if self._sock is sock:
-                self._sock = None
-            pending = list(self._pending)
-            self._pending.clear()
+    def _broken(self, sock: socket.socket, reason: BaseException | None) -> None:
+        if not self._closed:
+            log.error("the ledger's sequencer stopped%s", "" if reason is None else f": {reason}")
+        self._loop.remove_reader(sock.fileno())
+        if self._writing:
+            self._loop.remove_writer(sock.fileno())
+            self._writing = False
         with contextlib.suppress(OSError):
             sock.close()
-        if pending:
-            error = Unavailable(
-                "the ledger's sequencer stopped before it acknowledged the append: it is not "
-                "acknowledged (it may or may not be in the ledger); retry"
-            )
-            settle_all((request, error) for request in pending)
+        self._sock = None
+        self._incoming.clear()
+        self._outgoing.clear()
+        pending = list(self._pending)
+        self._pending.clear()
+        error = Unavailable(
+            "the ledger's sequencer stopped before it acknowledged the append: it is not "
+            "acknowledged (it may or may not be in the ledger); retry"
+        )
+        for request in pending:
+            _settle_one(request, error)
+        if not self._closed:
+            self._restart = self._loop.create_task(self._start_again())
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop sending; wait for the answers to appends in flight, then close the link (the
-        sequencer then exits)."""
-        with self._lock:
+    async def _start_again(self) -> None:
+        delay = _RETRY_MIN
+        while not self._closed:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _RETRY_MAX)
+            try:
+                sock = await self._loop.run_in_executor(None, self._connect)
+            except Exception as exc:
+                log.error("the ledger's sequencer did not start again: %s", exc)
+                continue
             if self._closed:
+                sock.close()
                 return
-            self._closed = True
-            sock = self._sock
+            self._attach(sock)
+            log.warning("the ledger's sequencer started again")
+            return
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Take no more appends; wait for the answers to those in flight, then close the link
+        (the sequencer then exits)."""
+        self._closed = True
+        deadline = self._loop.time() + timeout
+        while self._pending and self._sock is not None and self._loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        if self._restart is not None:
+            self._restart.cancel()
+        sock = self._sock
         if sock is not None:
-            deadline = time.monotonic() + timeout
-            while self._pending and time.monotonic() < deadline:
-                select.select([], [], [], 0.01)
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        self._reader.join(timeout)
+            self._broken(sock, None)
+
+
+def _settle_one(request: Waiting, outcome: list[StoredEntry] | BaseException) -> None:
+    waiter = request.waiter
+    assert waiter is not None
+    if waiter.done():  # its caller gave up
+        return
+    if isinstance(outcome, BaseException):
+        waiter.set_exception(outcome)
+    else:
+        waiter.set_result(outcome)

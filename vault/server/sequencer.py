@@ -13,12 +13,12 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
 from typing import Final
 
 from vault.errors import Unavailable, VaultError
 from vault.ledger.db import open_database
-from vault.ledger.sequencer import Committed, Sequencer, SequencerLink, receive, send
+from vault.ledger.log import Ledger
+from vault.ledger.sequencer import Sequencer, SequencerLink, receive, send
 
 log = logging.getLogger("pinvault")
 
@@ -68,16 +68,16 @@ def _reap(process: subprocess.Popen[bytes]) -> None:
     threading.Thread(target=process.wait, name="sequencer-reaper", daemon=True).start()
 
 
-def sequencer_link(url: str, *, commit_window: float) -> Callable[[Committed], SequencerLink]:
-    """What `Ledger` opens its link to a sequencer process with."""
+async def open_sequencer(url: str, *, commit_window: float, ledger: Ledger) -> SequencerLink:
+    """A sequencer process for `ledger` on the database `url`, linked on the running loop, and
+    attached to the ledger: from now on its appends go there."""
 
     def connect() -> socket.socket:
         return start_sequencer(url, commit_window=commit_window)
 
-    def open_link(committed: Committed) -> SequencerLink:
-        return SequencerLink(connect, committed)
-
-    return open_link
+    link = await SequencerLink.open(connect, ledger.committed)
+    ledger.attach(link)
+    return link
 
 
 def main(argv: list[str]) -> int:

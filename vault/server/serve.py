@@ -28,7 +28,7 @@ from vault.server.database import open_ledger_database
 from vault.server.folder_lock import only_server
 from vault.server.gatekeeper import Gatekeeper, Limits
 from vault.server.metrics import ScrubWatch, Sources, serve_metrics
-from vault.server.sequencer import sequencer_link
+from vault.server.sequencer import open_sequencer
 from vault.server.service import build_server
 from vault.server.store_service import ScrubRunner
 from vault.server.tiles_http import TilesServer
@@ -210,9 +210,6 @@ def _serve_folder(
 ) -> None:
     key = load_or_create_key(config)
     db = open_ledger_database(config)
-    sequencer = None
-    if config.ledger.sequencer == "process":
-        sequencer = sequencer_link(config.database_url, commit_window=config.ledger.commit_window)
     ledger = Ledger(
         db,
         key,
@@ -221,7 +218,8 @@ def _serve_folder(
         commit_window=config.ledger.commit_window,
         last_signed=config.data_path / LAST_SIGNED,
         tiles=config.data_path / TILES,
-        sequencer=sequencer,
+        # With a sequencer process, appends wait for its link (opened on the event loop).
+        writer=config.ledger.sequencer == "thread",
     )
     witnessing = start_witnessing(config, ledger, witnesses) if witnesses else None
     # The entry bundles name every entry, which only an auditor may list when callers need
@@ -318,6 +316,51 @@ async def _serve(
     loop.set_default_executor(
         ThreadPoolExecutor(max_workers=config.server.workers, thread_name_prefix="vault")
     )
+    link = None
+    if config.ledger.sequencer == "process":
+        link = await open_sequencer(
+            config.database_url, commit_window=config.ledger.commit_window, ledger=ledger
+        )
+    try:
+        await _serve_linked(
+            config,
+            ledger,
+            content,
+            admitter,
+            listen,
+            tokens,
+            tls,
+            desk,
+            scrub,
+            witnessing,
+            started=started,
+            stopping=stopping,
+            tiles_url=tiles_url,
+            metrics_url=metrics_url,
+        )
+    finally:
+        if link is not None:
+            await link.close()
+
+
+async def _serve_linked(
+    config: Config,
+    ledger: Ledger,
+    content: Content,
+    admitter: Admitter,
+    listen: str,
+    tokens: TokenStore | None,
+    tls: grpc.ServerCredentials | None,
+    desk: Desk | None,
+    scrub: ScrubRunner | None,
+    witnessing: Witnessing | None,
+    *,
+    started: Callable[[Serving], None],
+    stopping: Callable[[], None],
+    tiles_url: str | None,
+    metrics_url: str | None,
+) -> None:
+    loop = asyncio.get_running_loop()
     gatekeeper = Gatekeeper(
         Gate(config.auth.mode, tokens) if tokens else Gate(), Limits.from_config(config)
     )
