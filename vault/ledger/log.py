@@ -276,10 +276,15 @@ class Ledger:
 
     def committed(self, first: int, leaves: list[bytes]) -> None:
         """A commit of the sequencer process: its leaves join the tree if it has every entry
-        before them (else the next catch-up reads them from the database)."""
-        with self._tree_lock:
+        before them (else the next catch-up reads them from the database). Told on the event
+        loop, which never waits here for a catch-up that holds the tree."""
+        if not self._tree_lock.acquire(blocking=False):
+            return
+        try:
             if self._tree.size == first:
                 self._tree.extend(leaves)
+        finally:
+            self._tree_lock.release()
 
     def _open_tree(self) -> None:
         """Load the tree: from the tiles of the published checkpoint and the entries stored

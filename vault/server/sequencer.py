@@ -7,12 +7,15 @@ and the database writes run beside the gRPC event loop rather than under its int
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from typing import Final
 
 from vault.errors import Unavailable, VaultError
@@ -25,59 +28,79 @@ log = logging.getLogger("pinvault")
 # Importing the database driver and opening the database; a sequencer slower than this to
 # answer is not used.
 START_TIMEOUT: Final = 60.0
+# For a sequencer to exit once its link is closed (it finishes the commit under way).
+STOP_TIMEOUT: Final = 30.0
 _READY: Final = "ready"
 
 
-def start_sequencer(url: str, *, commit_window: float) -> socket.socket:
-    """A new sequencer process on the database `url`, and the server's end of its link, once
-    it is ready to commit. Only this process holds the other end: the link has no address."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "vault.server.sequencer", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()],
-            stdin=subprocess.DEVNULL,
-        )
-    except OSError as exc:
-        ours.close()
-        raise Unavailable(f"cannot start the ledger's sequencer: {exc.strerror}") from None
-    finally:
-        theirs.close()
-    # The URL may hold a password: it goes over the link, never on a command line.
-    try:
-        send(ours, (url, commit_window))
-        answer = receive(ours, START_TIMEOUT)
-    except (OSError, EOFError, ValueError) as exc:
-        ours.close()
-        process.kill()
-        process.wait()
-        raise Unavailable(f"the ledger's sequencer did not start: {exc}") from None
-    if answer != _READY:
-        ours.close()
-        process.wait()
-        raise Unavailable(f"the ledger's sequencer did not start: {answer}")
-    # Reaped by a thread of its own, so that a sequencer that stops leaves no zombie.
-    _reap(process)
-    log.info("ledger sequencer started (pid %d)", process.pid)
-    return ours
+class SequencerProcesses:
+    """Starts the ledger's sequencer processes for one server: one at a time, another when one
+    stops, each on an anonymous socket pair whose other end only this process holds."""
+
+    def __init__(self, url: str, *, commit_window: float) -> None:
+        self.url = url
+        self.commit_window = commit_window
+        self._started: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> socket.socket:
+        """A new sequencer process, and the server's end of its link, once it is ready to
+        commit."""
+        # Reaps those that stopped.
+        self._started = [p for p in self._started if p.poll() is None]
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "vault.server.sequencer", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError as exc:
+            ours.close()
+            raise Unavailable(f"cannot start the ledger's sequencer: {exc.strerror}") from None
+        finally:
+            theirs.close()
+        self._started.append(process)
+        # The URL may hold a password: it goes over the link, never on a command line.
+        try:
+            send(ours, (self.url, self.commit_window))
+            answer = receive(ours, START_TIMEOUT)
+        except (OSError, EOFError, ValueError) as exc:
+            ours.close()
+            process.kill()
+            raise Unavailable(f"the ledger's sequencer did not start: {exc}") from None
+        if answer != _READY:
+            ours.close()
+            raise Unavailable(f"the ledger's sequencer did not start: {answer}")
+        log.info("ledger sequencer started (pid %d)", process.pid)
+        return ours
+
+    def wait(self, timeout: float) -> None:
+        """Wait for the sequencers whose links are closed to exit (killed past `timeout`)."""
+        for process in self._started:
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.error("the ledger's sequencer (pid %d) did not exit: killed", process.pid)
+                process.kill()
+                process.wait()
+        self._started.clear()
 
 
-def _reap(process: subprocess.Popen[bytes]) -> None:
-    import threading
-
-    threading.Thread(target=process.wait, name="sequencer-reaper", daemon=True).start()
-
-
-async def open_sequencer(url: str, *, commit_window: float, ledger: Ledger) -> SequencerLink:
-    """A sequencer process for `ledger` on the database `url`, linked on the running loop, and
-    attached to the ledger: from now on its appends go there."""
-
-    def connect() -> socket.socket:
-        return start_sequencer(url, commit_window=commit_window)
-
-    link = await SequencerLink.open(connect, ledger.committed)
+@contextlib.asynccontextmanager
+async def linked_sequencer(
+    url: str, *, commit_window: float, ledger: Ledger
+) -> AsyncIterator[None]:
+    """A sequencer process for `ledger` on the database `url`, linked on the running loop and
+    attached to the ledger (its appends go there) until the block ends; then the appends in
+    flight are answered, and the sequencer exits."""
+    processes = SequencerProcesses(url, commit_window=commit_window)
+    link = await SequencerLink.open(processes.start, ledger.committed)
     ledger.attach(link)
-    return link
+    try:
+        yield
+    finally:
+        await link.close()
+        await asyncio.get_running_loop().run_in_executor(None, processes.wait, STOP_TIMEOUT)
 
 
 def main(argv: list[str]) -> int:

@@ -5,6 +5,7 @@ SIGTERM or SIGINT."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -28,7 +29,7 @@ from vault.server.database import open_ledger_database
 from vault.server.folder_lock import only_server
 from vault.server.gatekeeper import Gatekeeper, Limits
 from vault.server.metrics import ScrubWatch, Sources, serve_metrics
-from vault.server.sequencer import open_sequencer
+from vault.server.sequencer import linked_sequencer
 from vault.server.service import build_server
 from vault.server.store_service import ScrubRunner
 from vault.server.tiles_http import TilesServer
@@ -316,12 +317,13 @@ async def _serve(
     loop.set_default_executor(
         ThreadPoolExecutor(max_workers=config.server.workers, thread_name_prefix="vault")
     )
-    link = None
-    if config.ledger.sequencer == "process":
-        link = await open_sequencer(
-            config.database_url, commit_window=config.ledger.commit_window, ledger=ledger
-        )
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        if config.ledger.sequencer == "process":
+            await stack.enter_async_context(
+                linked_sequencer(
+                    config.database_url, commit_window=config.ledger.commit_window, ledger=ledger
+                )
+            )
         await _serve_linked(
             config,
             ledger,
@@ -338,9 +340,6 @@ async def _serve(
             tiles_url=tiles_url,
             metrics_url=metrics_url,
         )
-    finally:
-        if link is not None:
-            await link.close()
 
 
 async def _serve_linked(
