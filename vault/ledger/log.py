@@ -36,9 +36,7 @@ from vault.ledger.last_signed import LastSigned
 from vault.ledger.merkle import STRATUM, TILE_LEAVES, MerkleTree
 from vault.ledger.records import LogFilter, PinSpec, RawEntry, SignedCheckpoint, StoredEntry
 from vault.ledger.sequencer import (
-    HEAD as _HEAD,
-)
-from vault.ledger.sequencer import (
+    HEAD,
     MAX_BATCH,
     SequencerLink,
     Waiting,
@@ -254,7 +252,7 @@ class Ledger:
 
     def _insert(self, batch: Sequence[Waiting]) -> list[list[StoredEntry]]:
         with self._writer_db.begin() as tx:
-            ((size, last),) = tx.all(_HEAD + ("" if self.db.is_sqlite else " FOR UPDATE"))
+            ((size, last),) = tx.all(HEAD + ("" if self.db.is_sqlite else " FOR UPDATE"))
             last = bytes(last)
             self._catch_up(tx.all, size, last)
             groups = [[fields(pin) for pin in request.pins] for request in batch]
@@ -382,7 +380,7 @@ class Ledger:
     def sync(self) -> int:
         """Bring the tree up to the stored head; returns the size."""
         with self._tree_lock:
-            ((size, last),) = self.db.fetch(_HEAD)
+            ((size, last),) = self.db.fetch(HEAD)
             if size != self._tree.size:
                 self._catch_up(self.db.fetch, size, bytes(last))
             return self._tree.size
