@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Final
 
 from vault.errors import Unavailable, VaultError
@@ -50,9 +51,12 @@ class SequencerProcesses:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             process = subprocess.Popen(
-                [sys.executable, "-m", "vault.server.sequencer", str(theirs.fileno())],
+                # -P: the code is this server's own (below), never a `vault` folder that
+                # happens to be in the working directory.
+                [sys.executable, "-P", "-m", "vault.server.sequencer", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
+                env=_child_environment(),
             )
         except OSError as exc:
             ours.close()
@@ -84,6 +88,15 @@ class SequencerProcesses:
                 process.kill()
                 process.wait()
         self._started.clear()
+
+
+def _child_environment() -> dict[str, str]:
+    """This environment, with the folder this server's `vault` package was imported from first
+    on the child's import path."""
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 @contextlib.asynccontextmanager
