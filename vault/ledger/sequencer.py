@@ -352,10 +352,6 @@ class SequencerLink:
         link._attach(await loop.run_in_executor(None, connect))
         return link
 
-    @property
-    def up(self) -> bool:
-        return self._sock is not None
-
     def _attach(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         self._sock = sock
