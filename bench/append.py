@@ -1,12 +1,17 @@
 """Durable appends over gRPC on the embedded default (SQLite, WAL, synchronous=FULL): batch
-appends, then 16 concurrent single-entry writers. Beside them, from the same run:
+appends, then 16 concurrent single-entry writers, each with the ledger's writer in a sequencer
+process (the default) and in a thread of the server's process (ledger.sequencer = thread).
+Beside them, from the same rounds:
 
 - for batches, SQLite alone writing the same rows into the ledger's own tables, 1,000 a commit,
   over the same range of ledger sizes: the storage engine's ceiling;
 - for single entries, a bare gRPC echo at the same concurrency (bench/rates.py), and a
   single-writer SQLite loop with one commit (one sync) per entry.
 
-    uv run python -m bench.append [--seconds 5]
+Each figure is the median of `--rounds` rounds, and each round measures every contender one
+after another, so that the noise of a shared machine falls on all of them alike.
+
+    uv run python -m bench.append [--seconds 5] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from bench.common import vault_server
-from bench.rates import compare
+from bench.common import Load, vault_server
+from bench.h2load import unary_load
+from bench.rates import echo_server
 from vault.digest import digest_key
 from vault.ledger.db import open_database
 from vault.ledger.entry import Entry, now
@@ -34,6 +40,7 @@ PIN = "/pinvault.v1.Ledger/Pin"
 BATCH = 1000
 BATCH_CALLS = 60
 BATCH_WRITERS = 4
+SEQUENCERS = ("process", "thread")
 # Past 100,000 entries every single append's answer has the same size (six-digit indices), as
 # bench/h2load.py's check of the answers needs.
 FILL = 100_000
@@ -104,10 +111,14 @@ def naive_sqlite_rate(seconds: float) -> float:
     return rate
 
 
-def vault_batch_rate() -> float:
+def _sequencer(kind: str) -> dict[str, str]:
+    return {"PINVAULT_LEDGER_SEQUENCER": kind}
+
+
+def vault_batch_rate(sequencer: str) -> float:
     """Batch appends into a new vault: BATCH_CALLS calls of BATCH pins from BATCH_WRITERS."""
     with (
-        vault_server() as server,
+        vault_server(env=_sequencer(sequencer)) as server,
         grpc.insecure_channel(
             server.address, options=[("grpc.max_send_message_length", 64 << 20)]
         ) as channel,
@@ -123,16 +134,9 @@ def vault_batch_rate() -> float:
         return BATCH * BATCH_CALLS / (time.perf_counter() - start)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--rounds", type=int, default=5, help="batch rounds, each a new vault")
-    args = parser.parse_args()
-    batched = BATCH * BATCH_CALLS
-    bare = statistics.median(bare_sqlite_batch_rate(batched) for _ in range(args.rounds))
-    batch_rate = statistics.median(vault_batch_rate() for _ in range(args.rounds))
-    naive = naive_sqlite_rate(min(args.seconds, 3))
-    with vault_server() as server:
+def vault_single_rate(sequencer: str, seconds: float) -> Load:
+    """16 single-entry appends in flight from h2load, into a ledger past FILL entries."""
+    with vault_server(env=_sequencer(sequencer)) as server:
         with grpc.insecure_channel(server.address) as channel:
             ledger = rpc.LedgerStub(channel)
             for _ in range(FILL // 5000):
@@ -140,24 +144,69 @@ def main() -> None:
                 ledger.PinBatch(pb.PinBatchRequest(pins=fill))
             request = pin(random_digest())
             answer = ledger.Pin(request).ByteSize()
-        singles = compare(server.address, PIN, request, answer, seconds=args.seconds)
+        return unary_load(server.address, PIN, request.SerializeToString(), answer, seconds=seconds)
 
+
+def echo_rate(seconds: float) -> Load:
+    """The bare gRPC echo of the same request message, decoded and encoded (bench/rates.py)."""
+    data = pin(random_digest()).SerializeToString()
+    with echo_server("PinRequest") as echo:
+        return unary_load(echo, "/bench.Echo/EchoMessage", data, len(data), seconds=seconds)
+
+
+def _median(loads: list[Load]) -> Load:
+    return sorted(loads, key=lambda load: load.rate)[len(loads) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, each with new vaults")
+    args = parser.parse_args()
+    batched = BATCH * BATCH_CALLS
+    bare: list[float] = []
+    batches: dict[str, list[float]] = {kind: [] for kind in SEQUENCERS}
+    for _ in range(args.rounds):
+        bare.append(bare_sqlite_batch_rate(batched))
+        for kind in SEQUENCERS:
+            batches[kind].append(vault_batch_rate(kind))
+    naive = naive_sqlite_rate(min(args.seconds, 3))
+    echoes: list[Load] = []
+    singles: dict[str, list[Load]] = {kind: [] for kind in SEQUENCERS}
+    for _ in range(args.rounds):
+        echoes.append(echo_rate(args.seconds))
+        for kind in SEQUENCERS:
+            singles[kind].append(vault_single_rate(kind, args.seconds))
+
+    bare_rate = statistics.median(bare)
     print(
         f"batch appends, {BATCH} a call from {BATCH_WRITERS} writers, into a new ledger "
-        f"(0 to {batched:,} entries), durable (synchronous=FULL); medians of {args.rounds}"
+        f"(0 to {batched:,} entries), durable (synchronous=FULL); medians of {args.rounds} "
+        "rounds (ratios: each round's own, then their median)"
     )
-    print(f"  append batches                  {batch_rate:,.0f} entries/s")
-    print(f"  SQLite alone, the same rows     {bare:,.0f} entries/s")
+    print(f"  SQLite alone, the same rows        {bare_rate:>8,.0f} entries/s")
+    for kind in SEQUENCERS:
+        rate = statistics.median(batches[kind])
+        ratios = [v / b for v, b in zip(batches[kind], bare, strict=True)]
+        print(
+            f"  append batches, sequencer {kind:<7}  {rate:>8,.0f} entries/s  "
+            f"{statistics.median(ratios):.2f}x SQLite alone "
+            f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
+        )
+    echo = _median(echoes)
     print(
-        f"single-entry appends, durable, {args.seconds:.0f} s a run, ledger past {FILL:,} entries"
+        f"single-entry appends, durable, 16 calls in flight from h2load on one connection, "
+        f"{args.seconds:.0f} s a run, ledger past {FILL:,} entries; medians of {args.rounds}"
     )
-    print(singles.report("append"))
+    print(f"  echo, message decoded        {echo}")
+    for kind in SEQUENCERS:
+        ratios = [v.rate / e.rate for v, e in zip(singles[kind], echoes, strict=True)]
+        print(
+            f"  append, sequencer {kind:<7}    {_median(singles[kind])}  "
+            f"{statistics.median(ratios):.2f}x the echo "
+            f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
+        )
     print(f"  SQLite alone, 1 commit per entry, 1 writer: {naive:,.0f} entries/s")
-    print(f"single-entry appends: {singles.vault.rate:,.0f}/s (goal >= 5,000/s)")
-    print(
-        f"batch appends: {batch_rate:,.0f} entries/s, {batch_rate / bare:.2f}x SQLite alone "
-        "(goal >= 50,000/s)"
-    )
 
 
 if __name__ == "__main__":

@@ -85,6 +85,10 @@ class LedgerConfig:
     checkpoint_interval: float = 1.0
     # How long the appender lingers, when appends are concurrent, so that more share a sync.
     commit_window: float = 0.002
+    # Where appends are sequenced and written: "process", a child process of the server's own
+    # (appends then do not share the gRPC event loop's interpreter lock), or "thread", a thread
+    # of the server's process (one process fewer, for a host that limits them).
+    sequencer: str = "process"
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,8 @@ from vault.errors import (
 from vault.ledger import db as tables
 from vault.ledger.checkpoint import Checkpoint, SigningKey, Verifier
 from vault.ledger.db import Database, Writer
-from vault.ledger.entry import (
-    encode_fields,
-    now,
-)
 from vault.ledger.last_signed import LastSigned
-from vault.ledger.merkle import STRATUM, TILE_LEAVES, MerkleTree, leaf_hash
+from vault.ledger.merkle import STRATUM, TILE_LEAVES, MerkleTree
 from vault.ledger.records import (
     LogFilter,
     PinSpec,
@@ -47,11 +43,19 @@ from vault.ledger.records import (
     SignedCheckpoint,
     StoredEntry,
 )
+from vault.ledger.sequencer import (
+    HEAD,
+    MAX_BATCH,
+    SequencerLink,
+    Waiting,
+    fields,
+    settle_all,
+    write_entries,
+)
 from vault.ledger.tiles import TILE_HEIGHT, Tile, TileStore
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH: Final = 10_000
 READ_BATCH: Final = 2_000
 QUERY_BATCH: Final = 500
 # Entries whose full tiles one step of a catch-up writes while signing waits.
@@ -62,45 +66,7 @@ LOAD_BATCH: Final = 1 << 16
 RETIRE_STEP: Final = 1 << 16
 
 
-class _Append:
-    """Entries waiting for a group commit, and who waits for them: a thread (`future`) or an
-    event loop (`waiter`, settled on its loop, all of one commit's in one wake-up)."""
-
-    __slots__ = ("future", "pins", "waiter")
-
-    def __init__(
-        self, pins: Sequence[PinSpec], waiter: asyncio.Future[list[StoredEntry]] | None = None
-    ) -> None:
-        self.pins = pins
-        self.waiter = waiter
-        self.future: Future[list[StoredEntry]] = Future()
-
-    def settle_later(
-        self, outcome: list[StoredEntry] | BaseException, loops: dict[Any, list[Any]]
-    ) -> None:
-        if self.waiter is None:
-            if isinstance(outcome, BaseException):
-                self.future.set_exception(outcome)
-            else:
-                self.future.set_result(outcome)
-        else:
-            loops.setdefault(self.waiter.get_loop(), []).append((self.waiter, outcome))
-
-
-def _settle(settled: list[tuple[asyncio.Future[list[StoredEntry]], Any]]) -> None:
-    for waiter, outcome in settled:
-        if waiter.done():  # its caller gave up
-            continue
-        if isinstance(outcome, BaseException):
-            waiter.set_exception(outcome)
-        else:
-            waiter.set_result(outcome)
-
-
 _STOP: Final = object()
-_ENTRY_COLUMNS: Final = ("idx", "body", "leaf_hash", "kind", "author", "time", "external")
-_SUBJECT_COLUMNS: Final = ("digest", "idx")
-_HEAD: Final = "SELECT size, last_leaf FROM ledger_head WHERE id = 1"
 # A checkpoint of a size already signed (by another server, or before a restart) is kept as it
 # is: the database refuses any insert over a stored one, so the insert first looks.
 _INSERT_CHECKPOINT: Final = text(
@@ -130,12 +96,14 @@ Query = Callable[[str, Sequence[Any]], list[tuple[Any, ...]]]
 class Ledger:
     """One vault server's view of the shared ledger.
 
-    Appends go through one writer thread that commits whatever has queued up in a single
-    transaction (group commit: many appends share one sync) and acknowledges only after the
-    commit. The Merkle tree is a cache of the stored leaf hashes; it catches up with entries
-    other servers appended to the same database before it answers for them. With a tile folder,
-    the checkpointer writes the tiles of the latest checkpoint from that tree, then publishes
-    the checkpoint beside them (within an interval of its signing).
+    Appends go through one writer that commits whatever has queued up in a single transaction
+    (group commit: many appends share one sync) and acknowledges only after the commit: a
+    thread of this process, or (`writer=False`) a sequencer process of the server's own, whose
+    link the server attaches (`attach`, see vault.ledger.sequencer). The Merkle tree is a cache
+    of the stored leaf hashes; it catches up with entries other servers appended to the same
+    database before it answers for them. With a tile folder, the checkpointer writes the tiles
+    of the latest checkpoint from that tree, then publishes the checkpoint beside them (within
+    an interval of its signing).
     """
 
     def __init__(
@@ -148,10 +116,13 @@ class Ledger:
         commit_window: float = 0.002,
         last_signed: Path | None = None,
         tiles: Path | None = None,
+        writer: bool = True,
     ) -> None:
         """`last_signed`: a file outside the database where the server keeps the last
         checkpoint it signed; at start the stored entries must agree with it. `tiles`: the
-        folder of the tree's C2SP tlog-tiles, written after checkpoints are signed."""
+        folder of the tree's C2SP tlog-tiles, written after checkpoints are signed.
+        `writer`: whether a thread of this process writes the appends; without it, appends wait
+        for the link to a sequencer process (`attach`)."""
         self.db = db
         self.last_signed = None if last_signed is None else LastSigned(last_signed)
         self.tiles = None if tiles is None else TileStore(tiles)
@@ -174,7 +145,7 @@ class Ledger:
         self._tree_lock = threading.RLock()
         self._checkpoint_lock = threading.Lock()
         self._latest: SignedCheckpoint | None = None
-        self._queue: queue.SimpleQueue[_Append | object] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Waiting | object] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._commit_window = commit_window
         self._writer_db = Writer(db)
@@ -190,8 +161,13 @@ class Ledger:
         self._latest = self._load_latest_checkpoint()
         if self.tiles is not None and self.fault is None:
             self._tiles_resumed = self.tiles.resume(self.verifier, self._tree.size, self._tree.root)
-        self._writer = threading.Thread(target=self._write_loop, name="ledger-writer", daemon=True)
-        self._writer.start()
+        self._link: SequencerLink | None = None
+        self._writer: threading.Thread | None = None
+        if writer:
+            self._writer = threading.Thread(
+                target=self._write_loop, name="ledger-writer", daemon=True
+            )
+            self._writer.start()
         self._checkpointer = threading.Thread(
             target=self._checkpoint_loop, args=(checkpoint_interval,), daemon=True
         )
@@ -205,19 +181,28 @@ class Ledger:
 
     def submit(self, pins: Sequence[PinSpec]) -> Future[list[StoredEntry]]:
         """Queue entries for the next group commit; the future resolves once they are durable."""
-        request = _Append(pins)
-        if not pins:
-            request.future.set_result([])
-        elif self._admit(pins):
-            self._queue.put(request)
+        if not pins or not self._admit(pins):
+            done: Future[list[StoredEntry]] = Future()
+            done.set_result([])
+            return done
+        if self._link is not None:
+            return self._link.submit(pins)
+        if self._writer is None:
+            raise Unavailable("the ledger's sequencer is not linked yet: retry")
+        request = Waiting(pins)
+        self._queue.put(request)
         return request.future
 
     async def append_async(self, pins: Sequence[PinSpec]) -> list[StoredEntry]:
         """`append` for an event loop: waits without a thread."""
         if not pins or not self._admit(pins):
             return []
+        if self._link is not None:
+            return await self._link.append(pins)
+        if self._writer is None:
+            raise Unavailable("the ledger's sequencer is not linked yet: retry")
         waiter: asyncio.Future[list[StoredEntry]] = asyncio.get_running_loop().create_future()
-        self._queue.put(_Append(pins, waiter))
+        self._queue.put(Waiting(pins, waiter))
         return await waiter
 
     def _admit(self, pins: Sequence[PinSpec]) -> bool:
@@ -236,7 +221,7 @@ class Ledger:
             first = self._queue.get()
             if first is _STOP:
                 return
-            batch: list[_Append] = [first]  # type: ignore[list-item]
+            batch: list[Waiting] = [first]  # type: ignore[list-item]
             count = len(batch[0].pins)
             stop = False
             # When appenders are concurrent, linger a moment so more of them share this sync;
@@ -250,7 +235,7 @@ class Ledger:
                 if more is _STOP:
                     stop = True
                     break
-                assert isinstance(more, _Append)
+                assert isinstance(more, Waiting)
                 batch.append(more)
                 count += len(more.pins)
             concurrent = len(batch) > 1
@@ -268,53 +253,50 @@ class Ledger:
                     else Unavailable(f"ledger append failed: {exc}")
                 )
                 outcomes = [error] * len(batch)
-            loops: dict[Any, list[Any]] = {}
-            for request, outcome in zip(batch, outcomes, strict=True):
-                request.settle_later(outcome, loops)
-            for loop, settled in loops.items():
-                with contextlib.suppress(RuntimeError):  # that loop has closed
-                    loop.call_soon_threadsafe(_settle, settled)
+            settle_all(zip(batch, outcomes, strict=True))
             if stop:
                 return
 
-    def _commit(self, batch: Sequence[_Append]) -> list[list[StoredEntry]]:
+    def _commit(self, batch: Sequence[Waiting]) -> list[list[StoredEntry]]:
         # The tree lock is held from reading the head until the new leaves are in the tree, so
         # no catch-up can load this commit's entries from the database a second time.
         with self._tree_lock:
             results = self._insert(batch)
         return results
 
-    def _insert(self, batch: Sequence[_Append]) -> list[list[StoredEntry]]:
+    def _insert(self, batch: Sequence[Waiting]) -> list[list[StoredEntry]]:
         with self._writer_db.begin() as tx:
-            ((size, last),) = tx.all(_HEAD + ("" if self.db.is_sqlite else " FOR UPDATE"))
+            ((size, last),) = tx.all(HEAD + ("" if self.db.is_sqlite else " FOR UPDATE"))
             last = bytes(last)
             self._catch_up(tx.all, size, last)
-            stamp = now()
-            rows: list[tuple[object, ...]] = []
-            subject_rows: list[tuple[bytes, int]] = []
-            leaves: list[bytes] = []
-            results: list[list[StoredEntry]] = []
-            prev = last
-            for request in batch:
-                stored: list[StoredEntry] = []
-                for pin in request.pins:
-                    kind, author = pin.kind, pin.author
-                    body = encode_fields(
-                        size, kind, pin.subjects, author, stamp, prev, pin.meta, pin.external
-                    )
-                    prev = leaf_hash(body)
-                    rows.append((size, body, prev, kind, author, stamp, pin.external))
-                    subject_rows += [(digest_key(s), size) for s in pin.subjects]
-                    leaves.append(prev)
-                    stored.append(StoredEntry(size, body))
-                    size += 1
-                results.append(stored)
-            tx.insert("entries", _ENTRY_COLUMNS, rows)
-            tx.insert("entry_subjects", _SUBJECT_COLUMNS, subject_rows)
-            tx.run("UPDATE ledger_head SET size = ?, last_leaf = ? WHERE id = 1", (size, prev))
+            groups = [[fields(pin) for pin in request.pins] for request in batch]
+            bodies, leaves = write_entries(tx, groups, size, last)
         # Committed: only now do the new leaves become part of what this server proves.
         self._tree.extend(leaves)
+        results: list[list[StoredEntry]] = []
+        index = size
+        for request in batch:
+            end = index + request.count
+            results.append([StoredEntry(i, bodies[i - size]) for i in range(index, end)])
+            index = end
         return results
+
+    def attach(self, link: SequencerLink) -> None:
+        """Send appends to a sequencer process from now on (`committed` is what its link tells
+        of each commit)."""
+        self._link = link
+
+    def committed(self, first: int, leaves: list[bytes]) -> None:
+        """A commit of the sequencer process: its leaves join the tree if it has every entry
+        before them (else the next catch-up reads them from the database). Told on the event
+        loop, which never waits here for a catch-up that holds the tree."""
+        if not self._tree_lock.acquire(blocking=False):
+            return
+        try:
+            if self._tree.size == first:
+                self._tree.extend(leaves)
+        finally:
+            self._tree_lock.release()
 
     def _open_tree(self) -> None:
         """Load the tree: from the tiles of the published checkpoint and the entries stored
@@ -412,7 +394,7 @@ class Ledger:
     def sync(self) -> int:
         """Bring the tree up to the stored head; returns the size."""
         with self._tree_lock:
-            ((size, last),) = self.db.fetch(_HEAD)
+            ((size, last),) = self.db.fetch(HEAD)
             if size != self._tree.size:
                 self._catch_up(self.db.fetch, size, bytes(last))
             return self._tree.size
@@ -841,8 +823,9 @@ class Ledger:
         if self._closed.is_set():
             return
         self._closed.set()
-        self._queue.put(_STOP)
-        self._writer.join()
+        if self._writer is not None:
+            self._queue.put(_STOP)
+            self._writer.join()
         self._checkpointer.join()
         if self._latest is not None and self.fault is None and self.last_signed:
             with contextlib.suppress(OSError):

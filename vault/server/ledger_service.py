@@ -92,7 +92,9 @@ class LedgerService(Service, rpc.LedgerServicer):
         # A pin that names a run (by its run id, or an alias of it) is written for the run's
         # team, which the vault records itself from the caller's credential; anyone else is
         # refused (Runs.writer_team).
-        team = self.runs.writer_team(tuple(runs), spec.meta, who)
+        team = self.runs.writer_team(tuple(runs), spec.meta, who) if runs else ""
+        if not team and tuple(subjects) == spec.subjects:
+            return spec  # a pin of batches' usual kind, as checked: no copy made
         meta = {**spec.meta, TEAM: team} if team else spec.meta
         return PinSpec(spec.kind, tuple(subjects), spec.author, meta, spec.external)
 

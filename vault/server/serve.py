@@ -5,6 +5,7 @@ SIGTERM or SIGINT."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ from vault.server.explorer import ExplorerServer
 from vault.server.folder_lock import make_data_folder, only_server
 from vault.server.gatekeeper import Gatekeeper, Limits
 from vault.server.metrics import ScrubWatch, Sources, serve_metrics
+from vault.server.sequencer import linked_sequencer
 from vault.server.service import build_server
 from vault.server.store_service import ScrubRunner
 from vault.server.tiles_http import TilesServer
@@ -185,6 +187,10 @@ def serve(
     check_access(config, listen)
     if explorer_http is not None:
         check_explorer_access(config, explorer_http[0])
+    if config.ledger.sequencer not in ("process", "thread"):
+        raise ConfigError(
+            f"unknown ledger.sequencer {config.ledger.sequencer!r}: expected process or thread"
+        )
     tls = server_credentials(config)
     witnesses = configured_witnesses(config)
     # Nothing the vault writes (its database and journals, keys, blobs, the handoff socket) is
@@ -230,6 +236,8 @@ def _serve_folder(
         commit_window=config.ledger.commit_window,
         last_signed=config.data_path / LAST_SIGNED,
         tiles=config.data_path / TILES,
+        # With a sequencer process, appends wait for its link (opened on the event loop).
+        writer=config.ledger.sequencer == "thread",
     )
     witnessing = start_witnessing(config, ledger, witnesses) if witnesses else None
     # The entry bundles name every entry, which only an auditor may list when callers need
@@ -333,6 +341,51 @@ async def _serve(
     loop.set_default_executor(
         ThreadPoolExecutor(max_workers=config.server.workers, thread_name_prefix="vault")
     )
+    async with contextlib.AsyncExitStack() as stack:
+        if config.ledger.sequencer == "process":
+            await stack.enter_async_context(
+                linked_sequencer(
+                    config.database_url, commit_window=config.ledger.commit_window, ledger=ledger
+                )
+            )
+        await _serve_linked(
+            config,
+            ledger,
+            content,
+            admitter,
+            listen,
+            tokens,
+            tls,
+            desk,
+            scrub,
+            witnessing,
+            started=started,
+            stopping=stopping,
+            tiles_url=tiles_url,
+            metrics_url=metrics_url,
+            explorer_url=explorer_url,
+        )
+
+
+async def _serve_linked(
+    config: Config,
+    ledger: Ledger,
+    content: Content,
+    admitter: Admitter,
+    listen: str,
+    tokens: TokenStore | None,
+    tls: grpc.ServerCredentials | None,
+    desk: Desk | None,
+    scrub: ScrubRunner | None,
+    witnessing: Witnessing | None,
+    *,
+    started: Callable[[Serving], None],
+    stopping: Callable[[], None],
+    tiles_url: str | None,
+    metrics_url: str | None,
+    explorer_url: str | None,
+) -> None:
+    loop = asyncio.get_running_loop()
     gatekeeper = Gatekeeper(
         Gate(config.auth.mode, tokens) if tokens else Gate(), Limits.from_config(config)
     )
