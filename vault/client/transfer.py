@@ -222,6 +222,9 @@ class Transfer:
                 commit = pb.PutBatchCommit(blobs=len(sent), bytes=sum(n for _, n in sent))
                 if gate.passes():
                     yield pb.PutBatchRequest(blobs=blobs, commit=commit)
+            except GeneratorExit:
+                # gRPC closed the stream: the call ended first, and its status says why.
+                raise
             except BaseException as exc:  # gRPC reports it only as a cancelled call
                 failed.append(exc)
                 raise
