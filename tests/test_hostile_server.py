@@ -13,11 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import blake3
 import grpc
 import pytest
 
-from tests.services.tampering_proxy import TamperingProxy
+from tests.services.tampering_proxy import TamperingProxy, flip_chunk
 from tests.services.vault_server import VaultRun, VaultServer
 from vault.client import VaultClient
 from vault.errors import IntegrityError, VerificationError
@@ -56,22 +55,6 @@ def stored(server: VaultServer, data: bytes, pin: str | None = "dataset") -> tup
         if pin:
             client.pin(pin, str(blob.sha256), meta={"n": str(random.random())})
     return str(blob.sha256), str(blob.blake3)
-
-
-def flip_in_chunk(at: int) -> Any:
-    """A Get rule: flip one byte of the chunk that starts at `at`, and recompute that chunk's
-    hash so that the chunk list the server sends agrees with the bytes it sends."""
-
-    def rule(request: pb.GetRequest, answers: Iterator[pb.GetResponse]) -> Iterator[pb.GetResponse]:
-        for answer in answers:
-            if answer.WhichOneof("part") == "chunk" and answer.chunk.offset == at:
-                data = bytearray(answer.chunk.data)
-                data[len(data) // 2] ^= 0x01
-                answer.chunk.data = bytes(data)
-                answer.chunk.hash = blake3.blake3(bytes(data)).digest()
-            yield answer
-
-    return rule
 
 
 # -- 5. a look-up answer is about the digest asked for ---------------------------------------
@@ -201,7 +184,7 @@ def test_get_to_stdout_writes_nothing_when_a_chunk_and_its_hash_are_forged(
     state = tmp_path / "state"
     assert through(proxy, vault_server, "get", sha256, state=state).ok().output == data
 
-    proxy.tamper("Store/Get", flip_in_chunk(2 * MiB))
+    proxy.tamper("Store/Get", flip_chunk(at=2 * MiB))
     for digest in (sha256, alias):
         run = through(proxy, vault_server, "get", digest, state=state)
         line = run.error_line()
@@ -216,7 +199,7 @@ def test_get_to_a_file_leaves_nothing_when_the_blob_is_forged(
 ) -> None:
     data = random_bytes(2 * MiB + 1, "to a file")
     sha256, _ = stored(vault_server, data, pin=None)
-    proxy.tamper("Store/Get", flip_in_chunk(MiB))
+    proxy.tamper("Store/Get", flip_chunk(at=MiB))
     folder = tmp_path / "out"
     folder.mkdir()
     line = through(
@@ -239,7 +222,7 @@ def test_a_range_whose_chunk_and_chunk_hash_are_forged_is_refused(
     honest = through(proxy, vault_server, "get", sha256, *window, state=state).ok()
     assert honest.output == data[MiB + 10 : MiB + 10 + 4096]
 
-    proxy.tamper("Store/Get", flip_in_chunk(MiB))
+    proxy.tamper("Store/Get", flip_chunk(at=MiB))
     run = through(proxy, vault_server, "get", sha256, *window, state=state)
     assert "DATA_LOSS" in run.error_line() and run.output == b""
     target = tmp_path / "range.bin"
@@ -250,7 +233,7 @@ def test_a_range_whose_chunk_and_chunk_hash_are_forged_is_refused(
         client.open(sha256, offset=MiB + 10, length=4096).read()
 
     # A forged chunk outside the range is caught too: the range is cut from a verified whole.
-    proxy.tamper("Store/Get", flip_in_chunk(3 * MiB))
+    proxy.tamper("Store/Get", flip_chunk(at=3 * MiB))
     with VaultClient(proxy.address) as client, pytest.raises(IntegrityError, match=sha256):
         client.open(sha256, offset=10, length=100).read()
 
@@ -283,7 +266,7 @@ def test_get_never_writes_through_a_planted_partial_file(
 
     # ... and through a hostile one, whose forged bytes leave nothing but what was there.
     target.unlink()
-    proxy.tamper("Store/Get", flip_in_chunk(MiB))
+    proxy.tamper("Store/Get", flip_chunk(at=MiB))
     run = through(proxy, vault_server, "get", sha256, "-o", str(target), state=tmp_path / "s")
     assert "DATA_LOSS" in run.error_line()
     assert precious.read_bytes() == b"the user's own file"

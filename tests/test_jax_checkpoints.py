@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import blake3
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,13 +19,12 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests.checkpoint_jobs import Trainer, admit_run, job_env, reports, spy_on_puts
-from tests.services.tampering_proxy import TamperingProxy
+from tests.services.tampering_proxy import TamperingProxy, flip_chunk
 from tests.services.vault_server import REPO_ROOT, VaultServer, command_env
 from vault.client import VaultClient
 from vault.errors import FailedPrecondition, IntegrityError, InvalidArgument, NotFound
 from vault.runs import Run, start
 from vault.runs.frameworks.jax import PytreeCheckpoints
-from vault.wire import pinvault_pb2 as pb
 
 STEPS = 8
 
@@ -349,22 +347,6 @@ def test_restore_gives_the_targets_kinds_and_refuses_a_mismatched_target(
     run.close()
 
 
-def flip_blob(digest: str) -> Any:
-    """A Get rule: flip one byte of `digest`'s first chunk, and recompute that chunk's hash so
-    that the chunk list the server sends agrees with the bytes it sends."""
-
-    def rule(request: pb.GetRequest, answers: Iterator[pb.GetResponse]) -> Iterator[pb.GetResponse]:
-        for answer in answers:
-            if request.digest == digest and answer.WhichOneof("part") == "chunk":
-                data = bytearray(answer.chunk.data)
-                data[len(data) // 2] ^= 0x01
-                answer.chunk.data = bytes(data)
-                answer.chunk.hash = blake3.blake3(bytes(data)).digest()
-            yield answer
-
-    return rule
-
-
 def test_restore_refuses_a_leaf_whose_bytes_do_not_match(
     vault_server: VaultServer, client: VaultClient, tmp_path: Path
 ) -> None:
@@ -377,7 +359,7 @@ def test_restore_refuses_a_leaf_whose_bytes_do_not_match(
     # Between the vault and the job, the embedding's bytes are altered on the wire, with a
     # chunk hash to match: the client checks the whole digest and refuses them.
     with TamperingProxy(vault_server.address) as proxy, VaultClient(proxy.address) as hostile:
-        proxy.tamper("Store/Get", flip_blob(embed))
+        proxy.tamper("Store/Get", flip_chunk(digest=embed))
         through = start(hostile, environ=env, output_dir=tmp_path)
         with pytest.raises(IntegrityError, match=embed):
             PytreeCheckpoints(through).restore(state())

@@ -15,14 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import blake3
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tests.checkpoint_jobs import Trainer, admit_run, job_env, reports, spy_on_puts
-from tests.services.tampering_proxy import TamperingProxy
+from tests.services.tampering_proxy import TamperingProxy, flip_chunk
 from tests.services.vault_server import REPO_ROOT, VaultServer, command_env
 from vault.client import VaultClient
 from vault.errors import FailedPrecondition, IntegrityError, InvalidArgument, NotFound
@@ -32,7 +31,6 @@ from vault.runs.frameworks.torch import (
     VaultStorageReader,
     VaultStorageWriter,
 )
-from vault.wire import pinvault_pb2 as pb
 
 STEPS = 8
 SINGLE_PROCESS = "assuming the intent is to (save|load) in a single process"
@@ -319,22 +317,6 @@ def test_restore_loads_modules_and_optimizers_and_refuses_what_does_not_fit(
     run.close()
 
 
-def flip_blob(digest: str) -> Any:
-    """A Get rule: flip one byte of `digest`'s first chunk, and recompute that chunk's hash so
-    that the chunk list the server sends agrees with the bytes it sends."""
-
-    def rule(request: pb.GetRequest, answers: Iterator[pb.GetResponse]) -> Iterator[pb.GetResponse]:
-        for answer in answers:
-            if request.digest == digest and answer.WhichOneof("part") == "chunk":
-                data = bytearray(answer.chunk.data)
-                data[len(data) // 2] ^= 0x01
-                answer.chunk.data = bytes(data)
-                answer.chunk.hash = blake3.blake3(bytes(data)).digest()
-            yield answer
-
-    return rule
-
-
 def test_restore_refuses_a_tensor_whose_bytes_do_not_match(
     vault_server: VaultServer, client: VaultClient, tmp_path: Path
 ) -> None:
@@ -348,7 +330,7 @@ def test_restore_refuses_a_tensor_whose_bytes_do_not_match(
     # Between the vault and the job the table's bytes are altered on the wire, with a chunk
     # hash to match: the client checks the whole digest and refuses them, by either path.
     with TamperingProxy(vault_server.address) as proxy, VaultClient(proxy.address) as hostile:
-        proxy.tamper("Store/Get", flip_blob(table))
+        proxy.tamper("Store/Get", flip_chunk(digest=table))
         through = start(hostile, environ=env, output_dir=tmp_path)
         with pytest.raises(IntegrityError, match=table):
             StateDictCheckpoints(through).restore()

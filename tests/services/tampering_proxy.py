@@ -20,6 +20,7 @@ from concurrent import futures
 from types import TracebackType
 from typing import Any, Self
 
+import blake3
 import grpc
 from google.protobuf.message import Message
 
@@ -169,3 +170,25 @@ class TamperingProxy:
             return rule(None, answer) if rule else answer
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, decode_request, encode_answer)
+
+
+def flip_chunk(*, digest: str | None = None, at: int | None = None) -> StreamRule:
+    """A Store/Get rule: flip one byte in the chunks of `digest` (any blob if None) that start
+    at offset `at` (any chunk if None), and recompute each such chunk's hash, so that the chunk
+    list the server sends agrees with the bytes it sends: only a check of the whole digest
+    catches it."""
+
+    def rule(request: pb.GetRequest, answers: Iterator[pb.GetResponse]) -> Iterator[pb.GetResponse]:
+        for answer in answers:
+            if (
+                answer.WhichOneof("part") == "chunk"
+                and digest in (None, request.digest)
+                and at in (None, answer.chunk.offset)
+            ):
+                data = bytearray(answer.chunk.data)
+                data[len(data) // 2] ^= 0x01
+                answer.chunk.data = bytes(data)
+                answer.chunk.hash = blake3.blake3(bytes(data)).digest()
+            yield answer
+
+    return rule

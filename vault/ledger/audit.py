@@ -294,6 +294,38 @@ def _check_body(
         fail(n, "the stored index columns (kind, author, time, subjects) disagree with the entry")
 
 
+def _check_decoded(
+    fail: Callable[[int, str], None],
+    n: int,
+    decode: Callable[[], Any],
+    prev_hex: str,
+    columns: tuple[str, str, str, bool, list[str]],
+) -> None:
+    """Check the entry `decode` reads from a row's bytes against its position, the chain's
+    hash and the row's stored columns (kind, author, time, external, subjects), naming what
+    disagrees."""
+    try:
+        entry = decode()
+        fields: tuple[Any, ...] = (
+            entry["v"],
+            entry["index"],
+            entry["prev"],
+            entry["kind"],
+            entry["author"],
+            entry["time"],
+            entry["external"],
+        )
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError):
+        fail(n, "the entry's bytes are not a version-1 entry object")
+        return
+    kind, author, time, external, subjects = columns
+    if (
+        fields != (FORMAT_VERSION, n, prev_hex, kind, author, time, external)
+        or sorted(entry.get("subjects") or ()) != subjects
+    ):
+        _check_body(fail, n, entry, prev_hex, columns)
+
+
 def _check_row(
     fail: Callable[[int, str], None],
     n: int,
@@ -311,25 +343,13 @@ def _check_row(
     leaf = hashlib.sha256(b"\x00" + body).digest()
     if leaf != stored_leaf:
         fail(n, "the stored leaf hash does not match the entry's bytes")
-    try:
-        entry = _DECODER.decode(body.decode())
-        fields: tuple[Any, ...] = (
-            entry["v"],
-            entry["index"],
-            entry["prev"],
-            entry["kind"],
-            entry["author"],
-            entry["time"],
-            entry["external"],
-        )
-    except (UnicodeDecodeError, ValueError, TypeError, KeyError):
-        fail(n, "the entry's bytes are not a version-1 entry object")
-        entry, fields = {}, ()
-    if (
-        fields != (FORMAT_VERSION, n, prev_hex, kind, author, time, external)
-        or sorted(entry.get("subjects") or ()) != subjects
-    ):
-        _check_body(fail, n, entry, prev_hex, (kind, author, time, external, subjects))
+    _check_decoded(
+        fail,
+        n,
+        lambda: _DECODER.decode(body.decode()),
+        prev_hex,
+        (kind, author, time, external, subjects),
+    )
     return leaf
 
 
@@ -485,32 +505,17 @@ class ChunkAudit:
                         if n in sizes:
                             marks.append((n, len(leaves)))
                         continue
-                try:
+
+                def decode(body: bytes = body) -> Any:
                     text = body.decode()
                     try:
                         entry, stop = scan(text, 0)
                     except StopIteration:
-                        entry, stop = _decode(text), len(text)
-                    if stop != len(text):
-                        entry = _decode(text)
-                    fields: tuple[Any, ...] = (
-                        entry["v"],
-                        entry["index"],
-                        entry["prev"],
-                        entry["kind"],
-                        entry["author"],
-                        entry["time"],
-                        entry["external"],
-                    )
-                except (UnicodeDecodeError, ValueError, TypeError, KeyError):
-                    fail(n, "the entry's bytes are not a version-1 entry object")
-                    entry, fields = {}, ()
-                columns = (kinds[i], authors[i], times[i], external[i])
-                if (
-                    fields != (FORMAT_VERSION, n, prev_hex, *columns)
-                    or sorted(entry.get("subjects") or ()) != row_subjects
-                ):
-                    _check_body(fail, n, entry, prev_hex, (*columns, row_subjects))
+                        return _decode(text)
+                    return entry if stop == len(text) else _decode(text)
+
+                columns = (kinds[i], authors[i], times[i], external[i], row_subjects)
+                _check_decoded(fail, n, decode, prev_hex, columns)
             leaves.append(leaf)
             prev_hex = leaf.hex()
             n += 1
