@@ -18,6 +18,22 @@ from tests.services.vault_server import REPO_ROOT, VaultServer, command_env
 from vault.client import Admission, VaultClient
 from vault.runs.dataset import add_dataset
 
+# How a training script starts its run: as a job preempted (SIGKILL) inside the commit of step
+# $KILL_IN_COMMIT_OF_STEP, after its blobs were stored and before its manifest is pinned.
+START_RUN = """\
+run = vault.runs.start()
+kill_at = os.environ.get("KILL_IN_COMMIT_OF_STEP")
+real_pin = run.client.pin
+
+
+def pin(kind, subjects, meta=None, **options):
+    if kind == "checkpoint" and meta and meta.get("step") == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)  # preempted after the puts, before the pin
+    return real_pin(kind, subjects, meta=meta, **options)
+
+
+run.client.pin = pin"""
+
 
 def admit_run(server: VaultServer, client: VaultClient, folder: Path, **options: str) -> Admission:
     """A fresh run: an image and a dataset stored and pinned, and the run admitted on them."""

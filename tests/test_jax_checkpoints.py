@@ -18,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.checkpoint_jobs import Trainer, admit_run, job_env, reports, spy_on_puts
+from tests.checkpoint_jobs import START_RUN, Trainer, admit_run, job_env, reports, spy_on_puts
 from tests.services.tampering_proxy import TamperingProxy, flip_chunk
 from tests.services.vault_server import REPO_ROOT, VaultServer, command_env
 from vault.client import VaultClient
@@ -110,16 +110,7 @@ TRAINER = textwrap.dedent(
         dump(state, out)
         sys.exit()
 
-    run = vault.runs.start()
-    kill_at = os.environ.get("KILL_IN_COMMIT_OF_STEP")
-    real_pin = run.client.pin
-
-    def pin(kind, subjects, meta=None, **options):
-        if kind == "checkpoint" and meta and meta.get("step") == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)  # preempted after the puts, before the pin
-        return real_pin(kind, subjects, meta=meta, **options)
-
-    run.client.pin = pin
+    %(start_run)s
     checkpoints = PytreeCheckpoints(run)
     state = init(run.seed)
     latest = checkpoints.latest()
@@ -149,7 +140,7 @@ def client(vault_server: VaultServer) -> Iterator[VaultClient]:
 
 def trainer_script(folder: Path) -> Path:
     script = folder / "train_jax.py"
-    script.write_text(TRAINER % {"steps": STEPS})
+    script.write_text(TRAINER % {"steps": STEPS, "start_run": START_RUN})
     return script
 
 

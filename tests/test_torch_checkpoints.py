@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tests.checkpoint_jobs import Trainer, admit_run, job_env, reports, spy_on_puts
+from tests.checkpoint_jobs import START_RUN, Trainer, admit_run, job_env, reports, spy_on_puts
 from tests.services.tampering_proxy import TamperingProxy, flip_chunk
 from tests.services.vault_server import REPO_ROOT, VaultServer, command_env
 from vault.client import VaultClient
@@ -98,16 +98,7 @@ TRAINER = textwrap.dedent(
         dump(model, optimizer, out)
         sys.exit()
 
-    run = vault.runs.start()
-    kill_at = os.environ.get("KILL_IN_COMMIT_OF_STEP")
-    real_pin = run.client.pin
-
-    def pin(kind, subjects, meta=None, **options):
-        if kind == "checkpoint" and meta and meta.get("step") == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)  # preempted after the puts, before the pin
-        return real_pin(kind, subjects, meta=meta, **options)
-
-    run.client.pin = pin
+    %(start_run)s
     seed = run.seed %% 2**31
     model, optimizer, schedule = setup(seed)
     checkpoints = StateDictCheckpoints(run)
@@ -181,7 +172,7 @@ def test_training_killed_and_resumed_ends_bit_identical_to_an_uninterrupted_run(
     admission = admit_run(vault_server, client, tmp_path / "dataset")
     env = job_env(vault_server, admission, tmp_path)
     script = tmp_path / "train_torch.py"
-    script.write_text(TRAINER % {"steps": STEPS})
+    script.write_text(TRAINER % {"steps": STEPS, "start_run": START_RUN})
     out = str(tmp_path / "reference.pt")
     reference = subprocess.run(
         [sys.executable, str(script), "reference", out, str(admission.seed % 2**31)],
