@@ -131,7 +131,6 @@ class Auditor:
         # The hot loop of `vault verify` (a million entries): locals, no per-row allocations
         # beyond the hash and the parsed body.
         sha256 = hashlib.sha256
-        decode = _DECODER.decode
         append = self._range.append
         report = self.report
         for row in rows:
@@ -149,44 +148,19 @@ class Auditor:
             leaf = sha256(b"\x00" + body).digest()
             if leaf != row.leaf_hash:
                 self._fail(n, "the stored leaf hash does not match the entry's bytes")
-            try:
-                entry = decode(body.decode())
-                fields: tuple[Any, ...] = (
-                    entry["v"],
-                    entry["index"],
-                    entry["prev"],
-                    entry["kind"],
-                    entry["author"],
-                    entry["time"],
-                    entry["external"],
-                )
-            except (UnicodeDecodeError, ValueError, TypeError, KeyError):
-                self._fail(n, "the entry's bytes are not a version-1 entry object")
-                entry, fields = {}, ()
-            if fields != (
-                FORMAT_VERSION,
+            _check_decoded(
+                self._fail,
                 n,
+                _decode_entry,
+                body,
                 self._prev.hex(),
-                row.kind,
-                row.author,
-                row.time,
-                row.external,
-            ) or sorted(entry.get("subjects") or ()) != list(row.subjects):
-                self._check_body(n, entry, row)
+                (row.kind, row.author, row.time, row.external, list(row.subjects)),
+            )
             append(leaf)
             self._prev = leaf
             report.entries = n + 1
             if self._roots:
                 self._check_roots(n + 1)
-
-    def _check_body(self, n: int, body: dict[str, Any], row: StoredRow) -> None:
-        _check_body(
-            self._fail,
-            n,
-            body,
-            self._prev.hex(),
-            (row.kind, row.author, row.time, row.external, list(row.subjects)),
-        )
 
     def absorb(self, chunk: ChunkResult) -> None:
         """Join the audit of the next chunk of rows, in index order: check its first row
@@ -294,18 +268,23 @@ def _check_body(
         fail(n, "the stored index columns (kind, author, time, subjects) disagree with the entry")
 
 
+def _decode_entry(body: bytes) -> Any:
+    return _DECODER.decode(body.decode())
+
+
 def _check_decoded(
     fail: Callable[[int, str], None],
     n: int,
-    decode: Callable[[], Any],
+    decode: Callable[[bytes], Any],
+    body: bytes,
     prev_hex: str,
     columns: tuple[str, str, str, bool, list[str]],
 ) -> None:
-    """Check the entry `decode` reads from a row's bytes against its position, the chain's
+    """Check the entry `decode` reads from a row's `body` against its position, the chain's
     hash and the row's stored columns (kind, author, time, external, subjects), naming what
     disagrees."""
     try:
-        entry = decode()
+        entry = decode(body)
         fields: tuple[Any, ...] = (
             entry["v"],
             entry["index"],
@@ -346,7 +325,8 @@ def _check_row(
     _check_decoded(
         fail,
         n,
-        lambda: _DECODER.decode(body.decode()),
+        _decode_entry,
+        body,
         prev_hex,
         (kind, author, time, external, subjects),
     )
@@ -440,6 +420,15 @@ class ChunkAudit:
         leaves: list[bytes] = []
         marks: list[tuple[int, int]] = []
         n = self._next
+
+        def decode(body: bytes) -> Any:
+            text = body.decode()
+            try:
+                entry, stop = scan(text, 0)
+            except StopIteration:
+                return _decode(text)
+            return entry if stop == len(text) else _decode(text)
+
         prev_hex = self._prev.hex()
         offset = 0
         for i, index in enumerate(indexes):
@@ -505,17 +494,8 @@ class ChunkAudit:
                         if n in sizes:
                             marks.append((n, len(leaves)))
                         continue
-
-                def decode(body: bytes = body) -> Any:
-                    text = body.decode()
-                    try:
-                        entry, stop = scan(text, 0)
-                    except StopIteration:
-                        return _decode(text)
-                    return entry if stop == len(text) else _decode(text)
-
                 columns = (kinds[i], authors[i], times[i], external[i], row_subjects)
-                _check_decoded(fail, n, decode, prev_hex, columns)
+                _check_decoded(fail, n, decode, body, prev_hex, columns)
             leaves.append(leaf)
             prev_hex = leaf.hex()
             n += 1
