@@ -348,81 +348,43 @@ async def _serve(
                     config.database_url, commit_window=config.ledger.commit_window, ledger=ledger
                 )
             )
-        await _serve_linked(
-            config,
+        gatekeeper = Gatekeeper(
+            Gate(config.auth.mode, tokens) if tokens else Gate(), Limits.from_config(config)
+        )
+        server, address = await build_server(
             ledger,
             content,
-            admitter,
             listen,
-            tokens,
-            tls,
-            desk,
-            scrub,
-            witnessing,
-            started=started,
-            stopping=stopping,
-            tiles_url=tiles_url,
-            metrics_url=metrics_url,
-            explorer_url=explorer_url,
+            admitter=admitter,
+            gatekeeper=gatekeeper,
+            tokens=tokens,
+            tls=tls,
+            desk=desk,
+            scrub=scrub,
+            metered=metrics_url is not None,
+            witnessing=witnessing,
         )
-
-
-async def _serve_linked(
-    config: Config,
-    ledger: Ledger,
-    content: Content,
-    admitter: Admitter,
-    listen: str,
-    tokens: TokenStore | None,
-    tls: grpc.ServerCredentials | None,
-    desk: Desk | None,
-    scrub: ScrubRunner | None,
-    witnessing: Witnessing | None,
-    *,
-    started: Callable[[Serving], None],
-    stopping: Callable[[], None],
-    tiles_url: str | None,
-    metrics_url: str | None,
-    explorer_url: str | None,
-) -> None:
-    loop = asyncio.get_running_loop()
-    gatekeeper = Gatekeeper(
-        Gate(config.auth.mode, tokens) if tokens else Gate(), Limits.from_config(config)
-    )
-    server, address = await build_server(
-        ledger,
-        content,
-        listen,
-        admitter=admitter,
-        gatekeeper=gatekeeper,
-        tokens=tokens,
-        tls=tls,
-        desk=desk,
-        scrub=scrub,
-        metered=metrics_url is not None,
-        witnessing=witnessing,
-    )
-    await server.start()
-    started(
-        Serving(
-            address=address,
-            data_path=config.data_path,
-            engine=ledger.db.read.dialect.name,
-            entries=ledger.size,
-            verifier=str(ledger.verifier),
-            credentials=tokens is not None,
-            tls=tls is not None,
-            handoff_socket=None if desk is None else desk.path,
-            fault=None if ledger.fault is None else str(ledger.fault),
-            tiles_url=tiles_url,
-            metrics_url=metrics_url,
-            explorer_url=explorer_url,
+        await server.start()
+        started(
+            Serving(
+                address=address,
+                data_path=config.data_path,
+                engine=ledger.db.read.dialect.name,
+                entries=ledger.size,
+                verifier=str(ledger.verifier),
+                credentials=tokens is not None,
+                tls=tls is not None,
+                handoff_socket=None if desk is None else desk.path,
+                fault=None if ledger.fault is None else str(ledger.fault),
+                tiles_url=tiles_url,
+                metrics_url=metrics_url,
+                explorer_url=explorer_url,
+            )
         )
-    )
-    stop = asyncio.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    stopping()
-    await server.stop(grace=5)
-    gatekeeper.close()
+        stop = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await stop.wait()
+        stopping()
+        await server.stop(grace=5)
+        gatekeeper.close()
