@@ -15,6 +15,9 @@ from typing import IO, Any
 import pytest
 
 from tests.services.vault_server import REPO_ROOT, VaultServer, command_env
+
+# What `vault run` gives a job: the run library tests' own, so that both say the same.
+from tests.test_run_library import job_env as job_env
 from vault.client import Admission, VaultClient
 from vault.runs.dataset import add_dataset
 
@@ -43,18 +46,6 @@ def admit_run(server: VaultServer, client: VaultClient, folder: Path, **options:
     client.pin("image", image, meta={"name": "trainer"})
     dataset = add_dataset(client, folder, name="tiny").digest
     return client.admit(image=image, dataset=dataset, seed=random.getrandbits(32), **options)
-
-
-def job_env(server: VaultServer, admission: Admission, state: Path) -> dict[str, str]:
-    """What `vault run` gives a job, plus the client's trust state in the test's folder."""
-    return {
-        "PINVAULT_RUN_ID": admission.run_id,
-        "PINVAULT_SEED": str(admission.seed),
-        "PINVAULT_IMAGE": admission.inputs.image,
-        "PINVAULT_DATASET": admission.inputs.dataset,
-        "PINVAULT_CLIENT_SERVER": server.address,
-        "PINVAULT_CLIENT_STATE_FILE": str(state / "trust.json"),
-    }
 
 
 class Trainer:
