@@ -267,3 +267,48 @@ def test_an_unknown_sequencer_is_one_line_from_serve(start_vault: StartVault) ->
     assert str(failed.value).endswith(
         "\nvault: INVALID_ARGUMENT: unknown ledger.sequencer 'fork': expected process or thread\n"
     )
+
+
+def _checkpointed_entries(database: Path, scratch: Path) -> int:
+    """Entries in a copy of the database file alone, without its write-ahead log: those the
+    log has been copied back for. A copy taken while a checkpoint writes may be torn: 0."""
+    copy = scratch / "alone.db"
+    copy.write_bytes(database.read_bytes())
+    try:
+        with sqlite3.connect(f"file:{copy}?immutable=1", uri=True) as conn:
+            (count,) = conn.execute("SELECT count(*) FROM entries").fetchone()
+            return int(count)
+    except sqlite3.DatabaseError:
+        return 0
+    finally:
+        copy.unlink()
+
+
+@pytest.mark.parametrize("sequencer", ["process", "thread"])
+def test_the_write_ahead_log_is_copied_back_while_appends_go_on(
+    start_vault: StartVault, tmp_path: Path, sequencer: str
+) -> None:
+    # Far below the size at which the writer copies the log back itself (db.WAL_BACKSTOP_PAGES):
+    # only the checkpoints beside it can put these entries in the database file.
+    server = start_vault(env={"PINVAULT_LEDGER_SEQUENCER": sequencer})
+    with grpc.insecure_channel(server.address) as channel:
+        ledger = rpc.LedgerStub(channel)
+        for batch in range(10):
+            tags = [f"{batch}/{n}" for n in range(1000)]
+            ledger.PinBatch(pb.PinBatchRequest(pins=[pin(t) for t in tags]), timeout=60)
+        database = server.data_dir / "vault.db"
+        wait_for(
+            "the log copied back",
+            lambda: _checkpointed_entries(database, tmp_path) == 10_000,
+            timeout=20,
+        )
+        # And again for what comes after: the log is reused, not only grown.
+        ledger.PinBatch(pb.PinBatchRequest(pins=[pin(f"more/{n}") for n in range(1000)]))
+        wait_for(
+            "the log copied back again",
+            lambda: _checkpointed_entries(database, tmp_path) == 11_000,
+            timeout=20,
+        )
+    assert server.stop() == 0
+    wal = server.data_dir / "vault.db-wal"
+    assert not wal.exists() or wal.stat().st_size == 0

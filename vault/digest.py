@@ -16,6 +16,7 @@ ALGORITHMS: Final = ("sha256", "blake3")
 HEX_LENGTH: Final = 64
 _HEX = re.compile(r"[0-9a-f]{64}")
 _DIGEST = re.compile(r"(?:sha256|blake3):[0-9a-f]{64}")
+_SHA256 = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 def check_digest(text: str) -> str:
@@ -24,6 +25,11 @@ def check_digest(text: str) -> str:
     if isinstance(text, str) and _DIGEST.fullmatch(text):
         return text
     return str(Digest.parse(text))
+
+
+def is_sha256(text: str) -> bool:
+    """Whether `text` is a well-formed sha256 digest."""
+    return _SHA256.fullmatch(text) is not None
 
 
 # The byte before the raw bytes of a digest key, for each algorithm but SHA-256 (whose key is its

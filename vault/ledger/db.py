@@ -4,7 +4,9 @@ write to the ledger but an append."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -35,6 +37,8 @@ from vault.digest import digest_key
 from vault.errors import DiskFull, ResourceExhausted, VaultError
 
 SCHEMA_VERSION: Final = 4
+
+log = logging.getLogger(__name__)
 
 metadata = MetaData()
 
@@ -123,6 +127,13 @@ _IMMUTABLE = ("entries", "entry_subjects", "checkpoints")
 _COPY_BATCH: Final = 50_000
 # Schema 3: the blob catalogue is never changed or deleted either.
 _IMMUTABLE_3 = ("blobs",)
+# A writer that leaves checkpoints of SQLite's write-ahead log to a thread (`Writer`) still
+# makes one itself when the log reaches this many pages (64 MiB): the thread has fallen behind.
+WAL_BACKSTOP_PAGES: Final = 16_384
+# The room the ledger's writer leaves free on the database's disk (see `Writer`).
+LEDGER_RESERVE: Final = 1 << 20
+# The least time between two of that thread's checkpoints (each syncs the database file).
+WAL_CHECKPOINT_EVERY: Final = 0.5
 # SQLite's limit on the values one statement binds (SQLITE_MAX_VARIABLE_NUMBER).
 _SQLITE_BOUND_VALUES: Final = 32_766 if sqlite3.sqlite_version_info >= (3, 32) else 999
 
@@ -251,13 +262,66 @@ class Transaction:
             )
 
 
-class Writer:
-    """The appender's own driver connection: a transaction is a handful of C calls, not a
-    trip through SQLAlchemy, because appends are the hot write path. One thread only."""
+class _Checkpoints:
+    """Copies SQLite's write-ahead log back into the database file on a thread of its own,
+    after a writer's commits, at most once every WAL_CHECKPOINT_EVERY seconds: the work a
+    writer would otherwise do inside the commit that crosses SQLite's autocheckpoint size.
+    PASSIVE, so it never waits for the writer or a reader; what it cannot copy yet it copies
+    the next time."""
 
     def __init__(self, db: Database) -> None:
         self._db = db
+        self._due = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="wal-checkpoints", daemon=True)
+        self._thread.start()
+
+    def due(self) -> None:
+        self._due.set()
+
+    def _run(self) -> None:
+        raw = self._db.read.raw_connection()
+        driver: Any = raw.driver_connection
+        try:
+            while not self._stopping.is_set():
+                self._due.wait()
+                self._due.clear()
+                if self._stopping.is_set():
+                    return
+                try:
+                    driver.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                except sqlite3.Error as exc:  # the writer's own backstop still copies the log
+                    log.warning("checkpoint of the write-ahead log failed: %s", exc)
+                self._stopping.wait(WAL_CHECKPOINT_EVERY)
+        finally:
+            with suppress(Exception):
+                raw.close()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._due.set()
+        self._thread.join()
+
+
+class Writer:
+    """The appender's own driver connection: a transaction is a handful of C calls, not a
+    trip through SQLAlchemy, because appends are the hot write path. One thread only.
+
+    `checkpoints_aside`: on SQLite, the write-ahead log is copied back into the database file
+    by a thread of its own (`_Checkpoints`) rather than inside this writer's commits, which
+    are the ledger's serial path; the writer still does it itself past WAL_BACKSTOP_PAGES."""
+
+    def __init__(self, db: Database, *, checkpoints_aside: bool = False, reserve: int = 0) -> None:
+        self._db = db
         self._raw: Any = None
+        path = make_url(db.url).database if db.is_sqlite else None
+        folder = os.path.dirname(os.path.abspath(path)) if path and path != ":memory:" else None
+        self._aside = checkpoints_aside and folder is not None
+        self._checkpoints: _Checkpoints | None = None
+        # A transaction is refused, naming the folder, while its disk has less than `reserve`
+        # bytes free: the write-ahead log may still have room to reuse, but whether a write
+        # fits must not depend on when the log was last copied back.
+        self._reserve = (folder, reserve) if folder is not None and reserve > 0 else None
 
     @contextmanager
     def begin(self) -> Iterator[Transaction]:
@@ -265,12 +329,24 @@ class Writer:
             self._raw = self._db.write.raw_connection()
             if not self._db.is_sqlite:
                 self._raw.driver_connection.autocommit = True
+            elif self._aside:
+                self._raw.driver_connection.execute(
+                    f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_PAGES}"
+                )
+                if self._checkpoints is None:
+                    self._checkpoints = _Checkpoints(self._db)
+        if self._reserve is not None:
+            folder, reserve = self._reserve
+            if shutil.disk_usage(folder).free < reserve:
+                raise DiskFull(folder, needed=reserve)
         cursor = self._raw.driver_connection.cursor()
         try:
             # SQLite: take the write lock up front, so the head read stays the head.
             cursor.execute("BEGIN IMMEDIATE" if self._db.is_sqlite else "BEGIN")
             yield Transaction(cursor, self._db.is_sqlite)
             cursor.execute("COMMIT")
+            if self._checkpoints is not None:
+                self._checkpoints.due()
         except BaseException as exc:
             try:
                 cursor.execute("ROLLBACK")
@@ -285,6 +361,9 @@ class Writer:
                 cursor.close()
 
     def close(self) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.stop()
+            self._checkpoints = None
         if self._raw is not None:
             with suppress(Exception):
                 self._raw.close()

@@ -10,7 +10,6 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
@@ -32,7 +31,7 @@ from vault.errors import (
 )
 from vault.ledger import db as tables
 from vault.ledger.checkpoint import Checkpoint, SigningKey, Verifier
-from vault.ledger.db import Database, Writer
+from vault.ledger.db import LEDGER_RESERVE, Database, Writer
 from vault.ledger.last_signed import LastSigned
 from vault.ledger.merkle import STRATUM, TILE_LEAVES, MerkleTree
 from vault.ledger.records import (
@@ -49,6 +48,7 @@ from vault.ledger.sequencer import (
     SequencerLink,
     Waiting,
     fields,
+    gather,
     settle_all,
     write_entries,
 )
@@ -67,6 +67,12 @@ RETIRE_STEP: Final = 1 << 16
 
 
 _STOP: Final = object()
+
+
+def _count(request: Waiting) -> int:
+    return request.count
+
+
 # A checkpoint of a size already signed (by another server, or before a restart) is kept as it
 # is: the database refuses any insert over a stored one, so the insert first looks.
 _INSERT_CHECKPOINT: Final = text(
@@ -148,7 +154,7 @@ class Ledger:
         self._queue: queue.SimpleQueue[Waiting | object] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._commit_window = commit_window
-        self._writer_db = Writer(db)
+        self._writer_db = Writer(db, checkpoints_aside=True, reserve=LEDGER_RESERVE)
         # A ledger that fails its check still starts, so that an auditor can read it and
         # `vault verify` can say where it broke; appends and proofs past the break are refused.
         self.fault: VerificationError | None = None
@@ -221,23 +227,15 @@ class Ledger:
             first = self._queue.get()
             if first is _STOP:
                 return
-            batch: list[Waiting] = [first]  # type: ignore[list-item]
-            count = len(batch[0].pins)
-            stop = False
-            # When appenders are concurrent, linger a moment so more of them share this sync;
-            # a lone appender never waits.
-            deadline = time.monotonic() + (self._commit_window if concurrent else 0.0)
-            while count < MAX_BATCH:
-                try:
-                    more = self._queue.get(timeout=max(deadline - time.monotonic(), 0.0))
-                except queue.Empty:
-                    break
-                if more is _STOP:
-                    stop = True
-                    break
-                assert isinstance(more, Waiting)
-                batch.append(more)
-                count += len(more.pins)
+            # When appenders are concurrent, a small commit lingers a moment so more of them
+            # share its sync; a lone appender never waits.
+            batch, stop = gather(
+                self._queue,
+                first,
+                _count,
+                _STOP,
+                self._commit_window if concurrent else 0.0,
+            )
             concurrent = len(batch) > 1
             outcomes: Sequence[list[StoredEntry] | BaseException]
             try:

@@ -27,7 +27,7 @@ from typing import Any, Final
 from vault import errors
 from vault.digest import digest_key
 from vault.errors import ResourceExhausted, Unavailable, VaultError, VerificationError
-from vault.ledger.db import Database, Transaction, Writer
+from vault.ledger.db import LEDGER_RESERVE, Database, Transaction, Writer
 from vault.ledger.entry import encode_fields, now
 from vault.ledger.merkle import leaf_hash
 from vault.ledger.records import PinSpec, StoredEntry
@@ -35,6 +35,8 @@ from vault.ledger.records import PinSpec, StoredEntry
 log = logging.getLogger(__name__)
 
 MAX_BATCH: Final = 10_000
+# A commit of this many entries does not wait for more to share its sync (see `gather`).
+LINGER_BELOW: Final = 256
 # A pin as it crosses the link: kind, subjects, author, meta, external.
 PinFields = tuple[str, tuple[str, ...], str, Mapping[str, str], bool]
 
@@ -51,6 +53,34 @@ _READ_SIZE: Final = 1 << 20
 def fields(pin: PinSpec) -> PinFields:
     meta = pin.meta if type(pin.meta) is dict else dict(pin.meta)  # marshal takes dicts only
     return (pin.kind, tuple(pin.subjects), pin.author, meta, pin.external)
+
+
+def gather(
+    source: queue.SimpleQueue[Any],
+    first: Any,
+    size: Callable[[Any], int],
+    stop: object,
+    window: float,
+) -> tuple[list[Any], bool]:
+    """`first` and the appends that join its commit: those already queued and, while the commit
+    is smaller than LINGER_BELOW entries, those that come within `window` seconds (so that
+    concurrent appenders share one sync; a commit that large already shares it widely, and
+    waiting would only leave the writer idle). Also whether `stop` came, which ends the
+    gathering and the writer."""
+    batch = [first]
+    count = size(first)
+    deadline = time.monotonic() + window
+    while count < MAX_BATCH:
+        wait = deadline - time.monotonic() if count < LINGER_BELOW else 0.0
+        try:
+            more = source.get(timeout=max(wait, 0.0))
+        except queue.Empty:
+            return batch, False
+        if more is stop:
+            return batch, True
+        batch.append(more)
+        count += size(more)
+    return batch, False
 
 
 def write_entries(
@@ -141,7 +171,7 @@ class Sequencer:
         self.db = db
         self.sock = sock
         self.commit_window = commit_window
-        self._writer = Writer(db)
+        self._writer = Writer(db, checkpoints_aside=True, reserve=LEDGER_RESERVE)
         self._queue: queue.SimpleQueue[list[PinFields] | None] = queue.SimpleQueue()
         # The head this sequencer last wrote: a head found otherwise at the next commit was
         # moved by another server (PostgreSQL), which left a chain that must still join up.
@@ -173,22 +203,9 @@ class Sequencer:
             first = self._queue.get()
             if first is None:
                 return
-            batch = [first]
-            count = len(first)
-            stop = False
-            # When appenders are concurrent, linger a moment so more of them share this sync;
-            # a lone appender never waits.
-            deadline = time.monotonic() + (self.commit_window if concurrent else 0.0)
-            while count < MAX_BATCH:
-                try:
-                    more = self._queue.get(timeout=max(deadline - time.monotonic(), 0.0))
-                except queue.Empty:
-                    break
-                if more is None:
-                    stop = True
-                    break
-                batch.append(more)
-                count += len(more)
+            batch, stop = gather(
+                self._queue, first, len, None, self.commit_window if concurrent else 0.0
+            )
             concurrent = len(batch) > 1
             reply: tuple[object, ...]
             try:

@@ -163,9 +163,11 @@ class Content:
         # Blobs the store already held are recorded too: a crash may have come between a
         # put's store commit and its catalog commit.
         self._catalogue.record_many(infos, datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
-        found = self.find_many([info.sha256 for info in infos])
+        found = self.find_many([str(info.sha256) for info in infos])
         return [
-            result if isinstance(result, IntegrityError) else (found[result[0].sha256], result[1])
+            result
+            if isinstance(result, IntegrityError)
+            else (found[str(result[0].sha256)], result[1])
             for result in results
         ]
 
@@ -187,13 +189,14 @@ class Content:
 
     _FIND_MANY = "SELECT sha256, blake3, size, stored_at FROM blobs WHERE sha256 IN ({0})"
 
-    def find_many(self, sha256s: list[Digest]) -> dict[Digest, StoredBlob]:
-        """The catalogued blobs among these sha256 digests, by digest."""
-        found: dict[Digest, StoredBlob] = {}
-        for _, rows in self._batches(self._FIND_MANY, list(dict.fromkeys(map(str, sha256s)))):
+    def find_many(self, sha256s: Iterable[str]) -> dict[str, StoredBlob]:
+        """The catalogued blobs among these sha256 digests (well-formed, as text), by digest."""
+        found: dict[str, StoredBlob] = {}
+        for _, rows in self._batches(self._FIND_MANY, list(dict.fromkeys(sha256s))):
             for sha, b3, size, stored_at in rows:
-                info = BlobInfo(Digest.parse(sha), Digest.parse(b3), size)
-                found[info.sha256] = StoredBlob(info, stored_at)
+                found[sha] = StoredBlob(
+                    BlobInfo(Digest.parse(sha), Digest.parse(b3), size), stored_at
+                )
         return found
 
     def _batches(

@@ -4,11 +4,10 @@ checkpoints an auditor re-derives."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
-from vault.digest import Digest, check_digest
+from vault.digest import Digest, check_digest, is_sha256
 from vault.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -102,13 +101,9 @@ class LedgerService(Service, rpc.LedgerServicer):
         who = caller()
         # One query for the whole batch's stored blobs, not one a subject; a malformed subject
         # is left for its pin's own check to name.
-        named = []
-        for pin in pins:
-            for subject in pin.subjects:
-                if subject.startswith("sha256:"):
-                    with contextlib.suppress(InvalidArgument):
-                        named.append(Digest.parse(subject))
-        stored = {str(d): blob for d, blob in self.content.find_many(named).items()}
+        stored = self.content.find_many(
+            [subject for pin in pins for subject in pin.subjects if is_sha256(subject)]
+        )
         specs = []
         for number, pin in enumerate(pins):
             try:
