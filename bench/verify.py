@@ -62,6 +62,22 @@ def build(data: Path, entries: int) -> None:
     db.dispose()
 
 
+def tiles_written(data: Path, entries: int, timeout: float = 600.0) -> None:
+    """Wait until the server has written the tiles of a ledger `build` made (it writes them
+    on its first start, beside serving): an audit measured meanwhile would share the machine
+    with that catch-up."""
+    checkpoint = data / "tiles" / "checkpoint"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if int(checkpoint.read_text().splitlines()[1]) == entries:
+                return
+        except (OSError, IndexError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the server wrote no tiles for {entries:,} entries in {timeout:.0f} s")
+
+
 def _rss(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/statm") as f:
@@ -187,6 +203,7 @@ def main() -> None:
         build(data, args.entries)
         print(f"built a {args.entries:,}-entry ledger in {time.perf_counter() - start:.1f} s")
         with vault_server(data_dir=data, env={"PINVAULT_LEDGER_ORIGIN": ORIGIN}) as server:
+            tiles_written(data, args.entries)
             alone: list[Run] = []
             chunks: list[Run] = []
             for _ in range(args.repeat):
