@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import signal
 import sqlite3
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 
 from tests.conftest import StartVault
 from tests.services.vault_server import REPO_ROOT, VaultServer
+from vault.ledger.sequencer import LINGER_BELOW, gather
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
@@ -312,3 +314,24 @@ def test_the_write_ahead_log_is_copied_back_while_appends_go_on(
     assert server.stop() == 0
     wal = server.data_dir / "vault.db-wal"
     assert not wal.exists() or wal.stat().st_size == 0
+
+
+def test_a_commit_lingers_for_more_appends_only_while_it_is_small() -> None:
+    stop = object()
+    # A small commit waits out its window for the appends that come meanwhile.
+    source: queue.SimpleQueue[object] = queue.SimpleQueue()
+    later = threading.Timer(0.1, source.put, args=(["second"],))
+    later.start()
+    batch, stopped = gather(source, ["first"], len, stop, 5.0)
+    assert batch == [["first"], ["second"]] and not stopped
+    # One already large enough takes what is queued and does not wait: a window of a minute
+    # would otherwise hold the writer that long.
+    big = ["pin"] * LINGER_BELOW
+    source.put(["queued"])
+    started = time.monotonic()
+    batch, stopped = gather(source, big, len, stop, 60.0)
+    assert batch == [big, ["queued"]] and not stopped
+    assert time.monotonic() - started < 30.0
+    # The writer's stop ends the gathering.
+    source.put(stop)
+    assert gather(source, ["last"], len, stop, 60.0) == ([["last"]], True)
