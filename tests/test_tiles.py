@@ -443,6 +443,54 @@ def test_the_tree_lets_go_of_what_the_tiles_hold_and_still_proves_everything(
     assert (vault.tiles / "tile/0/005").read_bytes() == whole.nodes(0, 5 * 256, 6 * 256)
 
 
+def test_proofs_of_entries_the_tree_let_go_of_take_their_tiles_inner_nodes_never_trusted(
+    vault: Vault, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ledger_log, "RETIRE_STEP", 256)
+    vault.grow(SIZE)
+    vault.ledger.append([_pin(n) for n in range(SIZE, SIZE + 300)])
+    vault.ledger.checkpoint(vault.ledger.size)
+    vault.ledger.write_tiles()
+    size = vault.ledger.size
+    with vault.db.read.connect() as conn:
+        leaves = conn.execute(text("SELECT leaf_hash FROM entries ORDER BY idx")).scalars().all()
+    whole = MerkleTree(bytes(leaf) for leaf in leaves)
+    full = size // 256
+    # Beside the tiles, not among the files served: each full tile's 16 nodes of height 4.
+    inner = vault.data / "tile-nodes"
+    assert inner.read_bytes() == b"".join(whole.nodes(4, t * 16, t * 16 + 16) for t in range(full))
+    assert not list(vault.tiles.rglob("tile-nodes"))
+    for index in (0, 7, 255, 256, 1700, 13 * 256 + 4, size - 1):
+        assert vault.ledger.inclusion_proof(index, size) == whole.inclusion_proof(index, size)
+
+    # A slot that does not check is not used (the proof is still right) and is written again.
+    good = inner.read_bytes()
+    damaged = bytearray(good)
+    damaged[3 * 512 + 40] ^= 0x01
+    inner.write_bytes(bytes(damaged))
+    assert vault.ledger.inclusion_proof(3 * 256 + 9, size) == whole.inclusion_proof(
+        3 * 256 + 9, size
+    )
+    vault.ledger.write_tiles()
+    assert inner.read_bytes() == good
+    # Nodes that check but a group of leaves that does not (a damaged tile): the same.
+    tile = vault.tiles / "tile/0/004"
+    tile.write_bytes(bytes(8192))
+    assert vault.ledger.inclusion_proof(4 * 256 + 200, size) == whole.inclusion_proof(
+        4 * 256 + 200, size
+    )
+    vault.ledger.write_tiles()
+    assert tile.read_bytes() == whole.nodes(0, 4 * 256, 5 * 256)
+    assert inner.read_bytes() == good
+    # No file at all: proofs from whole tiles, and the file written again.
+    inner.unlink()
+    vault.ledger.close()
+    vault.db, vault.ledger = _open(vault.data, vault.key)
+    assert vault.ledger.inclusion_proof(1700, size) == whole.inclusion_proof(1700, size)
+    vault.ledger.write_tiles()
+    assert inner.read_bytes() == good
+
+
 # -- the HTTP endpoint ---------------------------------------------------------------------
 
 

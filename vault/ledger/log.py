@@ -33,7 +33,7 @@ from vault.ledger import db as tables
 from vault.ledger.checkpoint import Checkpoint, SigningKey, Verifier
 from vault.ledger.db import LEDGER_RESERVE, Database, Writer
 from vault.ledger.last_signed import LastSigned
-from vault.ledger.merkle import STRATUM, TILE_LEAVES, MerkleTree
+from vault.ledger.merkle import INNER, STRATUM, TILE_LEAVES, MerkleTree
 from vault.ledger.records import (
     LogFilter,
     PinSpec,
@@ -52,6 +52,7 @@ from vault.ledger.sequencer import (
     settle_all,
     write_entries,
 )
+from vault.ledger.tile_nodes import TileNodesFile
 from vault.ledger.tiles import TILE_HEIGHT, Tile, TileStore
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ READ_BATCH: Final = 2_000
 QUERY_BATCH: Final = 500
 # Entries whose full tiles one step of a catch-up writes while signing waits.
 TILES_STEP: Final = 1 << 14
+# The file of the tiles' inner nodes, beside the tiles folder.
+TILE_NODES: Final = "tile-nodes"
 # Leaf hashes loaded from the database at once.
 LOAD_BATCH: Final = 1 << 16
 # Leaves whose low nodes the tree lets go of at once, once their tiles are on disk.
@@ -132,6 +135,7 @@ class Ledger:
         self.db = db
         self.last_signed = None if last_signed is None else LastSigned(last_signed)
         self.tiles = None if tiles is None else TileStore(tiles)
+        self._tile_nodes = None if tiles is None else _tile_nodes(tiles.parent / TILE_NODES)
         # The size the tile folder's own checkpoint vouches for at start; whether the tiles of
         # the checkpoints signed since (before this start) are written yet, and whether so many
         # are missing that the checkpointer writes them in steps (see `write_tiles`).
@@ -307,7 +311,7 @@ class Ledger:
             base = (signed.size >> STRATUM) << STRATUM
             stratum = self.tiles.hashes(1, base >> STRATUM)
             if stratum is not None:
-                self._tree = MerkleTree.resume(base, stratum, self._lower_leaves)
+                self._tree = MerkleTree.resume(base, stratum, self._lower_leaves, self._tile_nodes)
                 with contextlib.suppress(VerificationError):
                     self.sync()
                     if self._tree.root(signed.size) == signed.root:
@@ -349,6 +353,21 @@ class Ledger:
             self._damaged_tiles.difference_update(damaged)
             self.tiles.rewrite([Tile(0, t) for t in damaged], self._tree.nodes, self._bodies)
 
+    def _write_tile_nodes(self) -> None:
+        """Write the nodes of height 4 of the full tiles on disk that have none yet, and again
+        those of the tiles the tree suspected (vault/ledger/tile_nodes.py)."""
+        nodes = self._tile_nodes
+        if nodes is None or self.tiles is None or self.fault is not None:
+            return
+        span = TILE_LEAVES >> INNER
+        for tile in nodes.take_suspects():
+            nodes.put(tile, self._tree.nodes(INNER, tile * span, (tile + 1) * span))
+        full = self.tiles.complete >> STRATUM
+        tile = nodes.filled
+        while tile < full and not self._closed.is_set():
+            nodes.put(tile, self._tree.nodes(INNER, tile * span, (tile + 1) * span))
+            tile += 1
+
     def _retire(self) -> None:
         """Let the tree go of the low nodes of leaves whose full tiles are on disk, once enough
         of them are held to be worth it."""
@@ -356,7 +375,7 @@ class Ledger:
             return
         if self.tiles.complete - self._tree.base >= RETIRE_STEP:
             with self._tree_lock:
-                self._tree.retire(self.tiles.complete, self._lower_leaves)
+                self._tree.retire(self.tiles.complete, self._lower_leaves, self._tile_nodes)
 
     def _catch_up(self, query: Query, size: int, last: bytes) -> None:
         """Load leaf hashes that other servers appended since this tree last looked, a batch
@@ -446,6 +465,7 @@ class Ledger:
             return
         self._write_new_tiles()
         self._rewrite_damaged()
+        self._write_tile_nodes()
         self._retire()
 
     def _write_new_tiles(self) -> None:
@@ -829,6 +849,18 @@ class Ledger:
             with contextlib.suppress(OSError):
                 self.last_signed.record(self._latest.note, self._latest.size)
         self._writer_db.close()
+        if self._tile_nodes is not None:
+            self._tile_nodes.close()
+
+
+def _tile_nodes(path: Path) -> TileNodesFile | None:
+    """The file of the tiles' inner nodes, or None (proofs then hash whole tiles) if it cannot
+    be opened."""
+    try:
+        return TileNodesFile(path)
+    except OSError as exc:
+        log.warning("cannot keep the tiles' inner nodes in %s: %s", path, exc.strerror or exc)
+        return None
 
 
 def _fetcher(driver: Any, *, sqlite: bool) -> Query:

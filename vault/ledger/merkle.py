@@ -8,7 +8,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Final
+from typing import Final, Protocol
 
 from vault.errors import VerificationError
 
@@ -45,6 +45,20 @@ _TILE_CACHE = 256
 # `lower(t)`: candidates, best first, for the 256 leaf hashes (concatenated) of leaves 256 × t to
 # 256 × t + 255; the tree takes the first whose subtree root is its own node of height 8.
 LowerLeaves = Callable[[int], Iterable[bytes]]
+# The height, inside a level 0 tile, of the nodes a `TileNodes` keeps: 16 a tile.
+INNER: Final = 4
+INNER_NODES: Final = 1 << (STRATUM - INNER)
+
+
+class TileNodes(Protocol):
+    """Where a tree may find, for a level 0 tile it let go of, that tile's 16 nodes of height
+    4 (concatenated), so that an inclusion proof hashes 30 nodes rather than the tile's 255.
+    Unchecked: the tree checks what it is given against its node of height 8, and tells
+    `suspect` of a tile whose nodes did not check."""
+
+    def get(self, tile: int) -> bytes | None: ...
+
+    def suspect(self, tile: int) -> None: ...
 
 
 class MerkleTree:
@@ -64,7 +78,7 @@ class MerkleTree:
     start at, as one value, after the size.
     """
 
-    __slots__ = ("_cache", "_cache_lock", "_edges", "_lower", "_size", "_state")
+    __slots__ = ("_cache", "_cache_lock", "_edges", "_inner", "_lower", "_size", "_state")
 
     def __init__(self, leaf_hashes: Iterable[bytes] = ()) -> None:
         # (the first leaf whose nodes below STRATUM are in memory, the levels): level k < STRATUM
@@ -73,14 +87,18 @@ class MerkleTree:
         self._size = 0
         self._edges: dict[tuple[int, int], bytes] = {}
         self._lower: LowerLeaves | None = None
+        self._inner: TileNodes | None = None
         self._cache: OrderedDict[int, list[bytes]] = OrderedDict()
         self._cache_lock = threading.Lock()
         self.extend(leaf_hashes)
 
     @classmethod
-    def resume(cls, size: int, stratum: bytes, lower: LowerLeaves) -> MerkleTree:
+    def resume(
+        cls, size: int, stratum: bytes, lower: LowerLeaves, inner: TileNodes | None = None
+    ) -> MerkleTree:
         """The tree of `size` leaves, a multiple of 256, from its nodes of height 8 alone
-        (`stratum`, concatenated); the nodes below are read from `lower` when needed."""
+        (`stratum`, concatenated); the nodes below are read from `lower` (and `inner`) when
+        needed."""
         if size % TILE_LEAVES or len(stratum) != (size >> STRATUM) * HASH_SIZE:
             raise ValueError(
                 f"a tree of {size} leaves resumes from {size >> STRATUM} nodes of height "
@@ -92,6 +110,7 @@ class MerkleTree:
         levels = [bytearray() for _ in range(STRATUM)] + [bytearray(stratum)]
         _grow(levels, STRATUM, 0, size)
         tree._lower = lower
+        tree._inner = inner
         tree._state = (size, levels)
         tree._size = size
         return tree
@@ -143,7 +162,7 @@ class MerkleTree:
         _grow(levels, 0, old, new, base)
         self._size = new
 
-    def retire(self, upto: int, lower: LowerLeaves) -> int:
+    def retire(self, upto: int, lower: LowerLeaves, inner: TileNodes | None = None) -> int:
         """Let go of the nodes below height 8 of the leaves under `upto` (rounded down to a
         multiple of 256), which `lower` can give back; returns the first leaf still held whole.
         The caller keeps appends out meanwhile."""
@@ -156,6 +175,7 @@ class MerkleTree:
             for k in range(STRATUM)
         ]
         self._lower = lower
+        self._inner = inner
         self._state = (new_base, kept + levels[STRATUM:])
         return new_base
 
@@ -197,10 +217,14 @@ class MerkleTree:
         # is a stored perfect subtree, or the tree's ragged right edge (a cached range root), or
         # absent when the path's node is the level's last and is carried up as it is.
         path: list[bytes] = []
+        # A leaf of a tile let go of: its siblings below height 8, from the tile's inner nodes.
+        within = self._tile_path(index) if index < self._state[0] else None
         node, last, level = index, size - 1, 0
         while last:
             sibling = node ^ 1
-            if sibling < last or (sibling == last and (sibling + 1) << level <= size):
+            if within is not None and level < STRATUM:
+                path.append(within[level])  # a full tile: every sibling in it is complete
+            elif sibling < last or (sibling == last and (sibling + 1) << level <= size):
                 path.append(self._node(level, sibling))
             elif sibling == last:
                 path.append(self._subtree_root(sibling << level, size))
@@ -241,6 +265,39 @@ class MerkleTree:
         tile = index >> (STRATUM - level)
         at = (index - (tile << (STRATUM - level))) * HASH_SIZE
         return self._tile_levels(tile)[level][at : at + HASH_SIZE]
+
+    def _tile_path(self, index: int) -> list[bytes] | None:
+        """The siblings below height 8 of leaf `index`, in a tile let go of, from the tile's
+        inner nodes and the 16 leaves of its group, both checked; None when the tile's levels
+        are cached (cheaper), or the inner nodes are missing or do not check."""
+        inner = self._inner
+        if inner is None or self._lower is None:
+            return None
+        tile, offset = index >> STRATUM, index & (TILE_LEAVES - 1)
+        with self._cache_lock:
+            if tile in self._cache:
+                return None
+        nodes = inner.get(tile)
+        if nodes is None or len(nodes) != INNER_NODES * HASH_SIZE:
+            return None
+        leaves = next(iter(self._lower(tile)), None)
+        if leaves is None or len(leaves) != TILE_LEAVES * HASH_SIZE:
+            return None
+        group, at = offset >> INNER, offset & (INNER_NODES - 1)
+        span = INNER_NODES * HASH_SIZE
+        below = _levels(leaves[group * span : (group + 1) * span])
+        above = _levels(nodes)
+        held = nodes[group * HASH_SIZE : (group + 1) * HASH_SIZE]
+        if below[-1] != held or above[-1] != self._node(STRATUM, tile):
+            inner.suspect(tile)
+            return None
+        path = []
+        for levels, position in ((below, at), (above, group)):
+            for level in levels[:-1]:
+                sibling = position ^ 1
+                path.append(level[sibling * HASH_SIZE : (sibling + 1) * HASH_SIZE])
+                position >>= 1
+        return path
 
     def _tile_levels(self, tile: int) -> list[bytes]:
         """The nodes below height 8 of the leaves of level 0 tile `tile`, a level a list item,
@@ -554,3 +611,18 @@ def verify_consistency(
             f"{where}: leads to new root {sr.hex()}, not the presented {bytes(new_root).hex()} "
             "(RFC 9162 §2.1.4.2 step 7)"
         )
+
+
+def _levels(nodes: bytes) -> list[bytes]:
+    """`nodes` (16 concatenated hashes: a group of leaves, or a tile's nodes of height 4) and
+    each level above them, up to their one root."""
+    levels = [nodes]
+    while len(levels[-1]) > HASH_SIZE:
+        below = levels[-1]
+        levels.append(
+            b"".join(
+                _sha256(_NODE_PREFIX + below[i : i + 2 * HASH_SIZE]).digest()
+                for i in range(0, len(below), 2 * HASH_SIZE)
+            )
+        )
+    return levels
