@@ -47,8 +47,8 @@ from vault.ledger.sequencer import (
     MAX_BATCH,
     SequencerLink,
     Waiting,
+    commits,
     fields,
-    gather,
     settle_all,
     write_entries,
 )
@@ -226,21 +226,7 @@ class Ledger:
         return True
 
     def _write_loop(self) -> None:
-        concurrent = False
-        while True:
-            first = self._queue.get()
-            if first is _STOP:
-                return
-            # When appenders are concurrent, a small commit lingers a moment so more of them
-            # share its sync; a lone appender never waits.
-            batch, stop = gather(
-                self._queue,
-                first,
-                _count,
-                _STOP,
-                self._commit_window if concurrent else 0.0,
-            )
-            concurrent = len(batch) > 1
+        for batch in commits(self._queue, _count, _STOP, self._commit_window):
             outcomes: Sequence[list[StoredEntry] | BaseException]
             try:
                 outcomes = self._commit(batch)
@@ -256,8 +242,6 @@ class Ledger:
                 )
                 outcomes = [error] * len(batch)
             settle_all(zip(batch, outcomes, strict=True))
-            if stop:
-                return
 
     def _commit(self, batch: Sequence[Waiting]) -> list[list[StoredEntry]]:
         # The tree lock is held from reading the head until the new leaves are in the tree, so

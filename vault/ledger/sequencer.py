@@ -83,6 +83,20 @@ def gather(
     return batch, False
 
 
+def commits(
+    source: queue.SimpleQueue[Any], size: Callable[[Any], int], stop: object, window: float
+) -> Iterator[list[Any]]:
+    """A writer's commits, each the appends that join it (`gather`), until `stop` comes: a
+    commit lingers for `window` only after one that had company (a lone appender never waits)."""
+    concurrent = False
+    while (first := source.get()) is not stop:
+        batch, stopped = gather(source, first, size, stop, window if concurrent else 0.0)
+        concurrent = len(batch) > 1
+        yield batch
+        if stopped:
+            return
+
+
 def write_entries(
     tx: Transaction, groups: Sequence[Sequence[PinFields]], size: int, prev: bytes
 ) -> tuple[list[bytes], list[bytes]]:
@@ -198,15 +212,7 @@ class Sequencer:
             self._queue.put(None)
 
     def _commit_loop(self) -> None:
-        concurrent = False
-        while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            batch, stop = gather(
-                self._queue, first, len, None, self.commit_window if concurrent else 0.0
-            )
-            concurrent = len(batch) > 1
+        for batch in commits(self._queue, len, None, self.commit_window):
             reply: tuple[object, ...]
             try:
                 first_index, bodies, leaves = self._commit(batch)
@@ -221,8 +227,6 @@ class Sequencer:
                 send(self.sock, reply)
             except OSError:
                 return  # the server is gone
-            if stop:
-                return
 
     def _commit(self, batch: Sequence[Sequence[PinFields]]) -> tuple[int, list[bytes], list[bytes]]:
         with self._writer.begin() as tx:
