@@ -344,13 +344,11 @@ class Ledger:
         if nodes is None or self.tiles is None or self.fault is not None:
             return
         span = TILE_LEAVES >> INNER
-        for tile in nodes.take_suspects():
+        missing = range(nodes.filled, self.tiles.complete >> STRATUM)
+        for tile in [*nodes.take_suspects(), *missing]:
+            if self._closed.is_set():
+                return
             nodes.put(tile, self._tree.nodes(INNER, tile * span, (tile + 1) * span))
-        full = self.tiles.complete >> STRATUM
-        tile = nodes.filled
-        while tile < full and not self._closed.is_set():
-            nodes.put(tile, self._tree.nodes(INNER, tile * span, (tile + 1) * span))
-            tile += 1
 
     def _retire(self) -> None:
         """Let the tree go of the low nodes of leaves whose full tiles are on disk, once enough

@@ -293,12 +293,19 @@ class Waiting:
 
 def _settle(settled: list[tuple[asyncio.Future[list[StoredEntry]], Any]]) -> None:
     for waiter, outcome in settled:
-        if waiter.done():  # its caller gave up
-            continue
-        if isinstance(outcome, BaseException):
-            waiter.set_exception(outcome)
-        else:
-            waiter.set_result(outcome)
+        _resolve(waiter, outcome)
+
+
+def _resolve(
+    waiter: asyncio.Future[list[StoredEntry]], outcome: list[StoredEntry] | BaseException
+) -> None:
+    """Settle an append awaited on an event loop (its own), unless its caller gave up."""
+    if waiter.done():
+        return
+    if isinstance(outcome, BaseException):
+        waiter.set_exception(outcome)
+    else:
+        waiter.set_result(outcome)
 
 
 def settle_all(outcomes: Iterator[tuple[Waiting, list[StoredEntry] | BaseException]]) -> None:
@@ -520,11 +527,5 @@ class SequencerLink:
 
 
 def _settle_one(request: Waiting, outcome: list[StoredEntry] | BaseException) -> None:
-    waiter = request.waiter
-    assert waiter is not None
-    if waiter.done():  # its caller gave up
-        return
-    if isinstance(outcome, BaseException):
-        waiter.set_exception(outcome)
-    else:
-        waiter.set_result(outcome)
+    assert request.waiter is not None
+    _resolve(request.waiter, outcome)
