@@ -1,11 +1,12 @@
-"""A vault written by the previous release is upgraded in place by this one: every entry's
+"""A vault written by an earlier release is upgraded in place by this one: every entry's
 canonical bytes and leaf hash, every signed checkpoint and the published tiles stay exactly as
 they were written, `vault verify` passes, look-ups find what they found, and appends go on.
 
-tests/data/ledger-schema-3.tar.gz is the data folder of a real `vault serve` of pinvault 0.1.0
-at schema 3 (the subject index keyed by digest text), stopped cleanly: 3 blobs, 306 entries
-(blobs pinned alone and together, an external image, an external BLAKE3 digest, 300 configs),
-a signed checkpoint of every size that a client asked for, and the tiles of the last one."""
+tests/data/ledger-schema-N.tar.gz is the data folder of a real `vault serve` of the release at
+schema N, stopped cleanly: 3 blobs, 306 entries (blobs pinned alone and together, an external
+image, an external BLAKE3 digest, 300 configs), a signed checkpoint of every size that a client
+asked for, and the tiles of the last one. Schema 3 (pinvault 0.1.0) keyed the subject index by
+digest text; schema 4 by raw digests, with the entries in a table beside an index of `idx`."""
 
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ from vault.errors import NotFound
 from vault.ledger.checkpoint import SigningKey
 from vault.ledger.db import SCHEMA_VERSION
 
-FIXTURE = Path(__file__).parent / "data" / "ledger-schema-3.tar.gz"
+DATA = Path(__file__).parent / "data"
 ENV = {"PINVAULT_LEDGER_ORIGIN": "upgrade.test/ledger"}
 SIZE = 306
 
 
-def _unpack(target: Path) -> Path:
-    with tarfile.open(FIXTURE) as archive:
+def _unpack(schema: int, target: Path) -> Path:
+    with tarfile.open(DATA / f"ledger-schema-{schema}.tar.gz") as archive:
         archive.extractall(target, filter="data")
     return target / "data"
 
@@ -50,20 +51,33 @@ def _rows(db: Path) -> dict[str, list[tuple[object, ...]]]:
         }
 
 
-def _subjects(db: Path) -> list[tuple[object, ...]]:
+def _subjects(db: Path) -> list[tuple[str, int]]:
+    """The subject index's rows, each digest as text whichever way the schema keyed it."""
     with sqlite3.connect(db) as conn:
-        return sorted(conn.execute("SELECT digest, idx FROM entry_subjects").fetchall())
+        rows = conn.execute("SELECT digest, idx FROM entry_subjects").fetchall()
+    return sorted((digest_from_key(d) if isinstance(d, bytes) else d, i) for d, i in rows)
 
 
-def test_a_vault_of_the_previous_release_is_upgraded_and_verifies(
-    start_vault: StartVault, tmp_path: Path
+def _stored_as(db: Path) -> tuple[set[type], str]:
+    """The types the subject index stores digests as, and the declared type of `entries.idx`."""
+    with sqlite3.connect(db) as conn:
+        digests = {type(d) for (d,) in conn.execute("SELECT digest FROM entry_subjects")}
+        key = [row[2] for row in conn.execute("PRAGMA table_info(entries)") if row[5]]
+    return digests, key[0]
+
+
+@pytest.mark.parametrize(
+    ("schema", "stored"), [(3, ({str}, "BIGINT")), (4, ({bytes}, "BIGINT"))]
+)
+def test_a_vault_of_an_earlier_release_is_upgraded_and_verifies(
+    start_vault: StartVault, tmp_path: Path, schema: int, stored: tuple[set[type], str]
 ) -> None:
-    data = _unpack(tmp_path)
+    data = _unpack(schema, tmp_path)
     db = data / "vault.db"
     before = _rows(db)
     subjects = _subjects(db)
     assert len(before["entries"]) == SIZE and before["head"][0][0] == SIZE
-    assert all(str(digest).startswith(("sha256:", "blake3:")) for digest, _ in subjects)
+    assert _stored_as(db) == stored
     tiles = {
         p.relative_to(data): p.read_bytes() for p in (data / "tiles").rglob("*") if p.is_file()
     }
@@ -79,7 +93,7 @@ def test_a_vault_of_the_previous_release_is_upgraded_and_verifies(
         # Look-ups find what the old index listed: every blob, by each entry that pins it.
         for n, row in enumerate(before["blobs"]):
             digest = str(row[0])
-            listed = sorted(int(str(i)) for d, i in subjects if d == digest)
+            listed = sorted(i for d, i in subjects if d == digest)
             assert len(listed) >= 1
             assert [e.entry.index for e in client.lookup(digest)] == listed, digest
             client.get(digest, tmp_path / f"blob-{n}")
@@ -102,10 +116,22 @@ def test_a_vault_of_the_previous_release_is_upgraded_and_verifies(
         )
     # The same rows, each digest now its raw bytes (a SHA-256 digest's 32), and the new pin's.
     assert len(keyed) == len(subjects) + 1
-    assert {(digest_from_key(k), i) for k, i in keyed if i < SIZE} == {
-        (str(d), int(str(i))) for d, i in subjects
-    }
+    assert {(digest_from_key(k), i) for k, i in keyed if i < SIZE} == set(subjects)
     assert {len(k) for k, _ in keyed} == {32, 33}
+    # Each entry's index is now the entries table's own key (SQLite's rowid).
+    assert _stored_as(db) == ({bytes}, "INTEGER")
+    # The guards moved with the rows: history is still refused a rewrite, however asked.
+    with sqlite3.connect(db) as conn:
+        for statement in (
+            "UPDATE entries SET kind = 'forged' WHERE idx = 3",
+            "DELETE FROM entries WHERE idx = 3",
+            "INSERT OR REPLACE INTO entries (idx, body, leaf_hash, kind, author, time, external)"
+            " VALUES (3, x'00', x'00', 'config', 'mallory', 't', 1)",
+            "UPDATE ledger_head SET size = size + 1, last_leaf = x'00'",
+        ):
+            with pytest.raises(sqlite3.DatabaseError, match="pinvault .* only by an append|never"):
+                conn.execute(statement)
+    assert _rows(db)["entries"][:SIZE] == before["entries"]
     # Full tiles are immutable: each is as the previous release wrote it.
     full = {path: body for path, body in tiles.items() if ".p" not in path.parts[-2:][0]}
     full = {path: body for path, body in full.items() if path.name != "checkpoint"}

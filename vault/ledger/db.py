@@ -36,7 +36,7 @@ from sqlalchemy.pool import NullPool
 from vault.digest import digest_key
 from vault.errors import DiskFull, ResourceExhausted, VaultError
 
-SCHEMA_VERSION: Final = 4
+SCHEMA_VERSION: Final = 5
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,17 @@ ledger_head = Table(
     Column("last_leaf", LargeBinary, nullable=False),
 )
 
+# Schema 5: on SQLite `idx` is declared INTEGER, which makes it the table's rowid: a read by
+# index is one B-tree search, and an append writes no separate index of its key.
 entries = Table(
     "entries",
     metadata,
-    Column("idx", BigInteger, primary_key=True, autoincrement=False),
+    Column(
+        "idx",
+        BigInteger().with_variant(Integer(), "sqlite"),
+        primary_key=True,
+        autoincrement=False,
+    ),
     Column("body", LargeBinary, nullable=False),
     Column("leaf_hash", LargeBinary, nullable=False),
     # Copies of body fields, for filtering the log; `vault verify` checks they agree.
@@ -490,6 +497,41 @@ def _add_schema_4(conn: Connection) -> None:
     _refuse_insert_below_head(conn, ("entry_subjects",))
 
 
+def _add_schema_5(conn: Connection) -> None:
+    """Schema 5, on SQLite: the entries move into a table whose key is `idx` itself (see
+    `entries`). Their rows are copied in index order, byte for byte; the indexes and guards go
+    on the new table once it is filled. PostgreSQL's table is already keyed by `idx` alone."""
+    if conn.dialect.name != "sqlite" or _sqlite_key_is_rowid(conn, "entries"):
+        return
+    old = "entries_4"
+    for column in ("kind", "author", "time"):
+        conn.execute(text(f"DROP INDEX ix_entries_{column}"))
+    # A legacy rename leaves the other tables' triggers naming `entries` (the head's names the
+    # leaf hash of its last entry), so that they name the new table once it is made.
+    conn.exec_driver_sql("PRAGMA legacy_alter_table=ON")
+    try:
+        conn.execute(text(f"ALTER TABLE entries RENAME TO {old}"))
+    finally:
+        conn.exec_driver_sql("PRAGMA legacy_alter_table=OFF")
+    metadata.create_all(conn, tables=[entries])
+    columns = ", ".join(column.name for column in entries.columns)
+    conn.execute(text(f"INSERT INTO entries ({columns}) SELECT {columns} FROM {old} ORDER BY idx"))
+    # Its guards (renamed with it) go with it, so that the new table's can take their names.
+    conn.execute(text(f"DROP TABLE {old}"))
+    _refuse_change_and_delete(conn, ("entries",))
+    _refuse_insert_below_head(conn, ("entries",))
+
+
+def _sqlite_key_is_rowid(conn: Connection, table: str) -> bool:
+    """Whether the table's key is one column declared INTEGER: SQLite's alias of the rowid."""
+    key = [
+        str(row[2]).upper()
+        for row in conn.exec_driver_sql(f"PRAGMA table_info({table})")
+        if row[5]  # its place in the primary key, 0 for a column outside it
+    ]
+    return key == ["INTEGER"]
+
+
 def _add_schema_3(conn: Connection) -> None:
     """Schema 3: the guards schema 1 lacked. SQLite's REPLACE (and INSERT OR REPLACE) deletes
     a conflicting row without firing its DELETE trigger, so an insert over an existing ledger
@@ -646,4 +688,5 @@ UPGRADES: dict[int, Callable[[Connection], None]] = {
     2: _add_schema_2,
     3: _add_schema_3,
     4: _add_schema_4,
+    5: _add_schema_5,
 }
