@@ -16,6 +16,9 @@ from tests.services.postgres import PostgresServer
 from tests.services.s3 import SERVERS, MinioServer, S3Endpoint, VersityGatewayServer
 from tests.services.vault_server import VaultServer
 
+# A fixture, for every test module that needs a full disk.
+from tests.small_disk import small_disk  # noqa: F401
+
 # -- environment ---------------------------------------------------------------------------
 
 # A developer's real credentials or server settings must never reach a test, and a test must

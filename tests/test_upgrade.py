@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import sqlite3
 import tarfile
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ from sqlalchemy import create_engine, text
 
 from tests.conftest import StartVault
 from tests.schema_3 import subjects_as_schema_3
+from tests.services.vault_server import run_vault
+from tests.small_disk import fill, refused_for_room
 from vault.digest import digest_from_key
 from vault.errors import NotFound
 from vault.ledger.checkpoint import SigningKey
@@ -28,6 +31,10 @@ from vault.ledger.db import SCHEMA_VERSION
 DATA = Path(__file__).parent / "data"
 ENV = {"PINVAULT_LEDGER_ORIGIN": "upgrade.test/ledger"}
 SIZE = 306
+# What the database's guards answer an attempt to rewrite history.
+GUARDED = (
+    r"pinvault (entries rows are never changed or deleted|ledger_head moves only by an append)"
+)
 
 
 def _unpack(schema: int, target: Path) -> Path:
@@ -37,7 +44,7 @@ def _unpack(schema: int, target: Path) -> Path:
 
 
 def _rows(db: Path) -> dict[str, list[tuple[object, ...]]]:
-    with sqlite3.connect(db) as conn:
+    with closing(sqlite3.connect(db)) as conn:
         return {
             "entries": conn.execute(
                 "SELECT idx, body, leaf_hash, kind, author, time, external FROM entries "
@@ -53,22 +60,20 @@ def _rows(db: Path) -> dict[str, list[tuple[object, ...]]]:
 
 def _subjects(db: Path) -> list[tuple[str, int]]:
     """The subject index's rows, each digest as text whichever way the schema keyed it."""
-    with sqlite3.connect(db) as conn:
+    with closing(sqlite3.connect(db)) as conn:
         rows = conn.execute("SELECT digest, idx FROM entry_subjects").fetchall()
     return sorted((digest_from_key(d) if isinstance(d, bytes) else d, i) for d, i in rows)
 
 
 def _stored_as(db: Path) -> tuple[set[type], str]:
     """The types the subject index stores digests as, and the declared type of `entries.idx`."""
-    with sqlite3.connect(db) as conn:
+    with closing(sqlite3.connect(db)) as conn:
         digests = {type(d) for (d,) in conn.execute("SELECT digest FROM entry_subjects")}
         key = [row[2] for row in conn.execute("PRAGMA table_info(entries)") if row[5]]
     return digests, key[0]
 
 
-@pytest.mark.parametrize(
-    ("schema", "stored"), [(3, ({str}, "BIGINT")), (4, ({bytes}, "BIGINT"))]
-)
+@pytest.mark.parametrize(("schema", "stored"), [(3, ({str}, "BIGINT")), (4, ({bytes}, "BIGINT"))])
 def test_a_vault_of_an_earlier_release_is_upgraded_and_verifies(
     start_vault: StartVault, tmp_path: Path, schema: int, stored: tuple[set[type], str]
 ) -> None:
@@ -109,7 +114,7 @@ def test_a_vault_of_an_earlier_release_is_upgraded_and_verifies(
     assert after["entries"][:SIZE] == before["entries"]
     assert after["checkpoints"][: len(before["checkpoints"])] == before["checkpoints"]
     assert after["blobs"] == before["blobs"]
-    with sqlite3.connect(db) as conn:
+    with closing(sqlite3.connect(db)) as conn:
         assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
         keyed = sorted(
             (bytes(k), i) for k, i in conn.execute("SELECT digest, idx FROM entry_subjects")
@@ -121,7 +126,7 @@ def test_a_vault_of_an_earlier_release_is_upgraded_and_verifies(
     # Each entry's index is now the entries table's own key (SQLite's rowid).
     assert _stored_as(db) == ({bytes}, "INTEGER")
     # The guards moved with the rows: history is still refused a rewrite, however asked.
-    with sqlite3.connect(db) as conn:
+    with closing(sqlite3.connect(db)) as conn:
         for statement in (
             "UPDATE entries SET kind = 'forged' WHERE idx = 3",
             "DELETE FROM entries WHERE idx = 3",
@@ -129,7 +134,7 @@ def test_a_vault_of_an_earlier_release_is_upgraded_and_verifies(
             " VALUES (3, x'00', x'00', 'config', 'mallory', 't', 1)",
             "UPDATE ledger_head SET size = size + 1, last_leaf = x'00'",
         ):
-            with pytest.raises(sqlite3.DatabaseError, match="pinvault .* only by an append|never"):
+            with pytest.raises(sqlite3.DatabaseError, match=GUARDED):
                 conn.execute(statement)
     assert _rows(db)["entries"][:SIZE] == before["entries"]
     # Full tiles are immutable: each is as the previous release wrote it.
@@ -142,6 +147,40 @@ def test_a_vault_of_an_earlier_release_is_upgraded_and_verifies(
     verified = again.run("verify")
     assert verified.returncode == 0, verified.describe()
     assert f"{SIZE + 1} entries" in verified.stdout, verified.describe()
+
+
+def test_an_upgrade_without_room_for_its_copy_changes_nothing_and_says_so(
+    small_disk: Path, start_vault: StartVault, tmp_path: Path
+) -> None:
+    """Schema 5 copies the entries into a new table. On a disk without room for the copy, the
+    server refuses to start in one line naming the folder, the database is left at schema 4 as
+    written, and once room is made the same data folder upgrades and verifies."""
+    data = _unpack(4, small_disk)
+    db = data / "vault.db"
+    before = _rows(db)
+    fill(small_disk)
+
+    refused = run_vault(
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        env={**ENV, "PINVAULT_DATA_DIR": str(data)},
+        state_home=tmp_path / "state",
+        timeout=60,
+    )
+    # (It may log first that it gave up the room it holds back for starting on a full disk.)
+    refused_for_room(refused.error_line(alone=False), data)
+    with closing(sqlite3.connect(db)) as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(4,)]
+    assert _rows(db) == before
+    assert _stored_as(db) == ({bytes}, "BIGINT")
+
+    (small_disk / "filler").unlink()
+    server = start_vault("upgraded", data_dir=data, env=ENV)
+    verified = server.run("verify")
+    assert verified.returncode == 0, verified.describe()
+    assert f"{SIZE} entries" in verified.stdout, verified.describe()
+    assert _stored_as(db) == ({bytes}, "INTEGER")
 
 
 def test_a_postgresql_vault_of_schema_3_is_upgraded_and_verifies(
