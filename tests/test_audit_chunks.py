@@ -12,10 +12,11 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from vault.ledger.audit import Auditor, AuditReport, ChunkAudit, Row
+from vault.ledger.audit import Auditor, AuditReport, ChunkAudit
 from vault.ledger.checkpoint import Checkpoint, SigningKey
 from vault.ledger.entry import Entry
 from vault.ledger.merkle import CompactRange
+from vault.ledger.records import RawEntry
 
 ORIGIN = "chunks.test/ledger"
 KEY = SigningKey.generate(ORIGIN)
@@ -27,8 +28,8 @@ def leaf(body: bytes) -> bytes:
     return hashlib.sha256(b"\x00" + body).digest()
 
 
-def good_rows() -> list[Row]:
-    rows: list[Row] = []
+def good_rows() -> list[RawEntry]:
+    rows: list[RawEntry] = []
     prev = b"\x00" * 32
     for n in range(SIZE):
         subjects = tuple(sorted(SUBJECTS[: 1 + n % 3]))
@@ -45,12 +46,12 @@ def good_rows() -> list[Row]:
         body = entry.encode()
         prev = leaf(body)
         rows.append(
-            Row(n, body, prev, entry.kind, entry.author, entry.time, entry.external, list(subjects))
+            RawEntry(n, body, prev, entry.kind, entry.author, entry.time, entry.external, subjects)
         )
     return rows
 
 
-def notes(rows: Sequence[Row], sizes: Sequence[int]) -> list[str]:
+def notes(rows: Sequence[RawEntry], sizes: Sequence[int]) -> list[str]:
     found = []
     for size in sizes:
         tree = CompactRange()
@@ -60,13 +61,13 @@ def notes(rows: Sequence[Row], sizes: Sequence[int]) -> list[str]:
     return found
 
 
-def in_one(rows: Sequence[Row], signed: list[str], head: int) -> AuditReport:
+def in_one(rows: Sequence[RawEntry], signed: list[str], head: int) -> AuditReport:
     auditor = Auditor(KEY.verifier(), ORIGIN, signed)
     auditor.feed(rows)
     return auditor.finish(head)
 
 
-def in_chunks(rows: Sequence[Row], signed: list[str], head: int, chunk: int) -> AuditReport:
+def in_chunks(rows: Sequence[RawEntry], signed: list[str], head: int, chunk: int) -> AuditReport:
     """As `vault verify` with workers: chunks up to the head, each fed in batches of 3 rows as
     columns, then the rows past the head fed whole."""
     auditor = Auditor(KEY.verifier(), ORIGIN, signed)
@@ -97,18 +98,18 @@ def sorted_failures(report: AuditReport) -> list[tuple[int, str]]:
     return [(f.index, f.message) for f in sorted(report.failures, key=lambda f: f.index)]
 
 
-def rebody(row: Row, text: str, *, keep_leaf: bool = False) -> Row:
+def rebody(row: RawEntry, text: str, *, keep_leaf: bool = False) -> RawEntry:
     body = text.encode()
     return dataclasses.replace(row, body=body, leaf_hash=row.leaf_hash if keep_leaf else leaf(body))
 
 
-def reencode(row: Row, change: Callable[[dict[str, object]], None]) -> Row:
+def reencode(row: RawEntry, change: Callable[[dict[str, object]], None]) -> RawEntry:
     fields = json.loads(row.body)
     change(fields)
     return rebody(row, json.dumps(fields, sort_keys=True, separators=(",", ":")))
 
 
-ALTERATIONS: dict[str, Callable[[list[Row]], list[Row]]] = {
+ALTERATIONS: dict[str, Callable[[list[RawEntry]], list[RawEntry]]] = {
     "untouched": lambda rows: rows,
     "a changed byte": lambda rows: [
         *rows[:17],
@@ -148,7 +149,7 @@ ALTERATIONS: dict[str, Callable[[list[Row]], list[Row]]] = {
     ],
     "subjects out of order in the columns": lambda rows: [
         *rows[:26],
-        dataclasses.replace(rows[26], subjects=sorted(rows[26].subjects, reverse=True)),
+        dataclasses.replace(rows[26], subjects=tuple(sorted(rows[26].subjects, reverse=True))),
         *rows[27:],
     ],
     "a changed column": lambda rows: [

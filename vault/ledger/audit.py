@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from vault.errors import VerificationError
 from vault.ledger.entry import FORMAT_VERSION, ZERO_HASH
 from vault.ledger.merkle import CompactRange
+from vault.ledger.records import RawEntry
 
 if TYPE_CHECKING:
     # Only the Auditor's caller opens checkpoints; a chunk's worker process never needs
@@ -183,7 +184,7 @@ class Auditor:
             first.author,
             first.time,
             first.external,
-            first.subjects,
+            list(first.subjects),
         )
         self.report.failures.extend(chunk.failures)
         for size, leaves, nodes in chunk.ranges:
@@ -334,20 +335,6 @@ def _check_row(
 
 
 @dataclass(frozen=True, slots=True)
-class Row:
-    """One stored row, as `StoredRow` describes it."""
-
-    index: int
-    body: bytes
-    leaf_hash: bytes
-    kind: str
-    author: str
-    time: str
-    external: bool
-    subjects: list[str]
-
-
-@dataclass(frozen=True, slots=True)
 class ChunkResult:
     """What `ChunkAudit` found in rows [start, end): failures of every row but the first,
     which is handed back whole (only the `Auditor` knows the hash of the entry before it); the
@@ -356,7 +343,7 @@ class ChunkResult:
 
     start: int
     end: int
-    first: Row | None
+    first: RawEntry | None
     last_index: int
     last_leaf: bytes
     leaves: int
@@ -377,7 +364,7 @@ class ChunkAudit:
         self._sizes = frozenset(sizes)
         self._range = CompactRange()
         self._failures: list[Failure] = []
-        self._first: Row | None = None
+        self._first: RawEntry | None = None
         self._next = start
         self._prev = ZERO_HASH
         self._ranges: list[tuple[int, int, tuple[bytes, ...]]] = []
@@ -442,7 +429,7 @@ class ChunkAudit:
             if self._first is None:
                 # Checked by the Auditor, which knows the hash of the entry before it.
                 n = index
-                self._first = Row(
+                self._first = RawEntry(
                     index,
                     body,
                     leaf_hashes[32 * i : 32 * i + 32],
@@ -450,7 +437,7 @@ class ChunkAudit:
                     authors[i],
                     times[i],
                     external[i],
-                    row_subjects,
+                    tuple(row_subjects),
                 )
             else:
                 if index != n:
