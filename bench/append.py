@@ -3,8 +3,9 @@ appends, then 16 concurrent single-entry writers, each with the ledger's writer 
 process (the default) and in a thread of the server's process (ledger.sequencer = thread).
 Beside them, from the same rounds:
 
-- for batches, SQLite alone writing the same rows into the ledger's own tables, 1,000 a commit,
-  over the same range of ledger sizes: the storage engine's ceiling;
+- for batches, SQLite alone writing the same rows into the ledger's own tables, 1,000 a commit
+  with the head moved and the write-ahead log copied back beside the writer, as the vault
+  does, over the same range of ledger sizes: the storage engine's ceiling;
 - for single entries, a bare gRPC echo at the same concurrency (bench/rates.py), and a
   single-writer SQLite loop with one commit (one sync) per entry.
 
@@ -21,8 +22,12 @@ import os
 import sqlite3
 import statistics
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import grpc
 
@@ -30,7 +35,7 @@ from bench.common import Load, vault_server
 from bench.h2load import unary_load
 from bench.rates import echo_server
 from vault.digest import digest_key
-from vault.ledger.db import open_database
+from vault.ledger.db import WAL_BACKSTOP_PAGES, WAL_CHECKPOINT_EVERY, open_database
 from vault.ledger.entry import Entry, now
 from vault.ledger.merkle import leaf_hash
 from vault.wire import pinvault_pb2 as pb
@@ -54,21 +59,51 @@ def random_digest() -> str:
     return "sha256:" + os.urandom(32).hex()
 
 
-def _sqlite(path: str) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, isolation_level=None)
+def _sqlite(path: str | Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=FULL")
     return conn
 
 
-def bare_sqlite_batch_rate(entries: int) -> float:
+@contextmanager
+def _log_copied_back(path: Path) -> Iterator[None]:
+    """SQLite's write-ahead log copied back into the database by a second connection at most
+    every WAL_CHECKPOINT_EVERY seconds, as beside the vault's writer."""
+    stop = threading.Event()
+
+    def copy_back() -> None:
+        conn = _sqlite(path)
+        try:
+            while not stop.wait(WAL_CHECKPOINT_EVERY):
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        finally:
+            conn.close()
+
+    thread = threading.Thread(target=copy_back, name="copy-back")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def bare_sqlite_batch_rate(entries: int, ledger: Path | None = None) -> float:
     """Entries as the ledger stores them, written by SQLite alone into the ledger's schema,
-    BATCH to a commit: the rows are made before the clock starts."""
+    BATCH to a commit with the head moved as an append moves it, and the log copied back beside
+    the writer: into a new ledger, or appended to `ledger` (a copy of a vault's database). The
+    rows are made before the clock starts."""
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
-        open_database(f"sqlite:///{tmp}/ledger.db").dispose()
-        stamp, prev = now(), bytes(32)
+        path = ledger if ledger is not None else Path(tmp) / "ledger.db"
+        if ledger is None:
+            open_database(f"sqlite:///{path}").dispose()
+        conn = _sqlite(path)
+        conn.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_PAGES}")
+        first, prev = conn.execute("SELECT size, last_leaf FROM ledger_head").fetchone()
+        stamp = now()
         batches = []
-        for start in range(0, entries, BATCH):
+        for start in range(first, first + entries, BATCH):
             rows, subjects = [], []
             for index in range(start, start + BATCH):
                 digest = random_digest()
@@ -76,19 +111,20 @@ def bare_sqlite_batch_rate(entries: int) -> float:
                 prev = leaf_hash(body)
                 rows.append((index, body, prev, "artefact", "bench", stamp, True))
                 subjects.append((digest_key(digest), index))
-            batches.append((rows, subjects))
-        conn = _sqlite(f"{tmp}/ledger.db")
-        begin = time.perf_counter()
-        for rows, subjects in batches:
-            conn.execute("BEGIN IMMEDIATE")
-            conn.executemany(
-                "INSERT INTO entries (idx, body, leaf_hash, kind, author, time, external) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                rows,
-            )
-            conn.executemany("INSERT INTO entry_subjects (digest, idx) VALUES (?, ?)", subjects)
-            conn.execute("COMMIT")
-        rate = entries / (time.perf_counter() - begin)
+            batches.append((rows, subjects, (start + BATCH, prev)))
+        with _log_copied_back(path):
+            begin = time.perf_counter()
+            for rows, subjects, head in batches:
+                conn.execute("BEGIN IMMEDIATE")
+                conn.executemany(
+                    "INSERT INTO entries (idx, body, leaf_hash, kind, author, time, external) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    rows,
+                )
+                conn.executemany("INSERT INTO entry_subjects (digest, idx) VALUES (?, ?)", subjects)
+                conn.execute("UPDATE ledger_head SET size = ?, last_leaf = ? WHERE id = 1", head)
+                conn.execute("COMMIT")
+            rate = entries / (time.perf_counter() - begin)
         conn.close()
     return rate
 

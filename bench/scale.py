@@ -7,6 +7,9 @@ next size is then grown to exactly its count):
 
 - batch appends (1,000 a call, 4 writers, 5 rounds of 8 calls, median) and single appends
   (16 in flight from h2load, a fixed count of calls so that every answer has the same size);
+  on SQLite, beside them, SQLite alone appending the same number of the same rows to a copy of
+  the grown database (bench.append's baseline), so that the curve of the store can be told
+  from the vault's;
 - look-ups of present and of absent digests, each call a different digest, from a Python loop
   with one call in flight (p50/p99), and of one present digest from h2load, 16 in flight;
 - GetInclusionProof (random index) and GetConsistencyProof (random old size to the latest),
@@ -29,6 +32,7 @@ import argparse
 import os
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -47,6 +51,7 @@ import grpc
 import sqlalchemy as sa
 
 import tests.services.vault_server as vault_server_module
+from bench.append import bare_sqlite_batch_rate
 from bench.common import ROOT
 
 # h2load's run-and-check-every-answer step, reused for a run by count rather than duration.
@@ -92,6 +97,7 @@ class Figure:
 
 FIGURES = [
     Figure("batch", "batch appends/s", "entries/s"),
+    Figure("bare", "SQLite alone, the same rows", "entries/s"),
     Figure("single", "single appends/s", "appends/s"),
     Figure("hit_p50", "look-up, present, p50 / p99", "ms", "hit_p99", 2),
     Figure("miss_p50", "look-up, absent, p50 / p99", "ms", "miss_p99", 2),
@@ -366,6 +372,19 @@ class Engine:
             self.base / f"serve-{self._starts}", data_dir=self.data_dir, database=self.url, env=ENV
         )
 
+    def bare_rate(self, entries: int) -> float:
+        """SQLite alone appending `entries` of the same rows to a copy of the stopped vault's
+        database (bench.append's baseline, at this size)."""
+        copy = self.base / "bare.db"
+        try:
+            for suffix in ("", "-wal"):
+                if (self.data_dir / f"vault.db{suffix}").exists():
+                    shutil.copyfile(self.data_dir / f"vault.db{suffix}", f"{copy}{suffix}")
+            return bare_sqlite_batch_rate(entries, copy)
+        finally:
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{copy}{suffix}").unlink(missing_ok=True)
+
     def disk_bytes(self) -> int:
         if self.url is None:
             return sum(p.stat().st_size for p in self.data_dir.glob("vault.db*") if p.is_file())
@@ -449,6 +468,8 @@ def measure_engine(
 
             probe = pool.sample(1)[0]
             server.stop()
+            if engine.url is None:
+                f["bare"] = engine.bare_rate(BATCH * BATCH_CALLS * BATCH_ROUNDS)
             server, f["start_warm"], f["hwm_mib"] = timed_start(engine, probe)
             server.stop()
             reason = drop_caches()
