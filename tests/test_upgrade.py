@@ -91,6 +91,10 @@ def test_a_vault_of_an_earlier_release_is_upgraded_and_verifies(
     assert key.open(str(last_note)).size == SIZE
 
     server = start_vault("upgraded", data_dir=data, env=ENV)
+    # An operator is told what the server did before it listened.
+    assert f"upgraded the ledger's database from schema {schema} to {SCHEMA_VERSION} in" in (
+        server.log()
+    )
     verified = server.run("verify", "--blobs")
     assert verified.returncode == 0, verified.describe()
     with server.client() as client:

@@ -9,6 +9,7 @@ import os
 import shutil
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -445,17 +446,27 @@ def migrate(db: Database, *, create: bool = True) -> None:
             conn.execute(ledger_head.insert().values(id=1, size=0, last_leaf=bytes(32)))
             return
         found = conn.execute(schema_version.select()).scalar_one()
+        begin = time.monotonic()
+        if found < SCHEMA_VERSION:
+            # One that rewrites the entries takes about a minute a 10 million: say so first.
+            log.info("upgrading the ledger's database from schema %d to %d", found, SCHEMA_VERSION)
         if found > SCHEMA_VERSION:
             raise SchemaError(
                 f"database schema version {found} is newer than this pinvault "
                 f"understands ({SCHEMA_VERSION}): upgrade pinvault"
             )
         for version in range(found + 1, SCHEMA_VERSION + 1):
-            # An upgrade adds tables, columns, indexes and triggers, or rewrites an index table
-            # in a new layout; the entries, their leaf hashes and the checkpoints are never
-            # touched.
+            # An upgrade adds tables, columns, indexes and triggers, or rewrites a table in a
+            # new layout; every entry's bytes and leaf hash and every checkpoint stay as written.
             UPGRADES[version](conn)
             conn.execute(schema_version.update().values(version=version))
+    if found < SCHEMA_VERSION:
+        log.info(
+            "upgraded the ledger's database from schema %d to %d in %.1f s",
+            found,
+            SCHEMA_VERSION,
+            time.monotonic() - begin,
+        )
 
 
 def _add_schema_2(conn: Connection) -> None:
