@@ -222,3 +222,17 @@ def test_a_client_side_import_pulls_in_no_server_code(module: str) -> None:
         [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "", f"importing {module} loads {result.stdout.strip()}"
+
+
+def test_the_audit_s_workers_load_no_signature_code() -> None:
+    """`vault verify` starts a worker process a core for its chunks of rows; a worker checks
+    hashes and entries only, so it does not pay for loading the signature code."""
+    probe = (
+        "import sys, vault.ledger.audit\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] == 'cryptography' "
+        "or m == 'vault.ledger.checkpoint')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "", f"the audit loads {result.stdout.strip()}"

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vault.errors import InvalidArgument
-from vault.ledger.checkpoint import Checkpoint
 from vault.ledger.entry import check_author, check_kind, check_meta, check_subjects
+
+if TYPE_CHECKING:
+    # Only named: the audit's worker processes read these records without the signature code.
+    from vault.ledger.checkpoint import Checkpoint
 
 
 @dataclass(frozen=True, slots=True)
