@@ -204,35 +204,33 @@ def test_the_rules_refuse_what_the_picture_forbids() -> None:
     assert allowed("mirror.queue", "tiers.manager")
 
 
+def loaded_by(module: str, packages: tuple[str, ...], prefixes: tuple[str, ...]) -> list[str]:
+    """The modules a fresh interpreter has loaded after importing `module` that are in one of
+    `packages` (by their first name) or start with one of `prefixes`."""
+    probe = (
+        f"import sys, {module}\n"
+        f"print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in {packages!r} "
+        f"or m.startswith({prefixes!r}))))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return result.stdout.split()
+
+
 @pytest.mark.parametrize(
     "module", ["vault.runs", "vault.runs.fs", "vault.client", "vault.ledger.audit"]
 )
 def test_a_client_side_import_pulls_in_no_server_code(module: str) -> None:
     """A researcher's script that imports the run library or the client loads none of the
     server, the tiers, the mirrors or the ledger's storage."""
-    probe = (
-        f"import sys, {module}\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('tiers', 'mirror', "
-        "'sqlalchemy', 'prometheus_client') or m.startswith(('vault.server', 'vault.ledger.db', "
-        "'vault.ledger.log', "
-        "'vault.ledger.tiles')))\n"
-        "print(' '.join(bad))\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
-    )
-    assert result.stdout.strip() == "", f"importing {module} loads {result.stdout.strip()}"
+    server = ("vault.server", "vault.ledger.db", "vault.ledger.log", "vault.ledger.tiles")
+    bad = loaded_by(module, ("tiers", "mirror", "sqlalchemy", "prometheus_client"), server)
+    assert bad == [], f"importing {module} loads {' '.join(bad)}"
 
 
 def test_the_audit_s_workers_load_no_signature_code() -> None:
     """`vault verify` starts a worker process a core for its chunks of rows; a worker checks
     hashes and entries only, so it does not pay for loading the signature code."""
-    probe = (
-        "import sys, vault.ledger.audit\n"
-        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] == 'cryptography' "
-        "or m == 'vault.ledger.checkpoint')))\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
-    )
-    assert result.stdout.strip() == "", f"the audit loads {result.stdout.strip()}"
+    bad = loaded_by("vault.ledger.audit", ("cryptography",), ("vault.ledger.checkpoint",))
+    assert bad == [], f"the audit loads {' '.join(bad)}"
