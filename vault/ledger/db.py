@@ -446,15 +446,15 @@ def migrate(db: Database, *, create: bool = True) -> None:
             conn.execute(ledger_head.insert().values(id=1, size=0, last_leaf=bytes(32)))
             return
         found = conn.execute(schema_version.select()).scalar_one()
-        begin = time.monotonic()
-        if found < SCHEMA_VERSION:
-            # One that rewrites the entries takes about a minute a 10 million: say so first.
-            log.info("upgrading the ledger's database from schema %d to %d", found, SCHEMA_VERSION)
         if found > SCHEMA_VERSION:
             raise SchemaError(
                 f"database schema version {found} is newer than this pinvault "
                 f"understands ({SCHEMA_VERSION}): upgrade pinvault"
             )
+        begin = time.monotonic()
+        if found < SCHEMA_VERSION:
+            # One that rewrites the entries takes about a minute a 10 million: say so first.
+            log.info("upgrading the ledger's database from schema %d to %d", found, SCHEMA_VERSION)
         for version in range(found + 1, SCHEMA_VERSION + 1):
             # An upgrade adds tables, columns, indexes and triggers, or rewrites a table in a
             # new layout; every entry's bytes and leaf hash and every checkpoint stay as written.
