@@ -199,9 +199,9 @@ class Ledger:
             return self._link.submit(pins)
         if self._writer is None:
             raise Unavailable("the ledger's sequencer is not linked yet: retry")
-        request = Waiting(pins)
-        self._queue.put(request)
-        return request.future
+        future: Future[list[StoredEntry]] = Future()
+        self._queue.put(Waiting(pins, future))
+        return future
 
     async def append_async(self, pins: Sequence[PinSpec]) -> list[StoredEntry]:
         """`append` for an event loop: waits without a thread."""

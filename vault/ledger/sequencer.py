@@ -266,29 +266,31 @@ def _message(exc: BaseException) -> str:
 
 
 class Waiting:
-    """One append waiting for its commit, and who waits for it: a thread (`future`) or an
-    event loop (`waiter`, settled on its loop, all of one commit's in one wake-up)."""
+    """One append waiting for its commit, and who waits for it: a thread (a concurrent Future)
+    or an event loop (an asyncio Future, settled on its loop, all of one commit's in one
+    wake-up)."""
 
-    __slots__ = ("count", "future", "pins", "waiter")
+    __slots__ = ("count", "pins", "waiter")
 
     def __init__(
-        self, pins: Sequence[PinSpec], waiter: asyncio.Future[list[StoredEntry]] | None = None
+        self,
+        pins: Sequence[PinSpec],
+        waiter: asyncio.Future[list[StoredEntry]] | Future[list[StoredEntry]],
     ) -> None:
         self.pins = pins
         self.count = len(pins)
         self.waiter = waiter
-        self.future: Future[list[StoredEntry]] = Future()
 
     def settle_later(
         self, outcome: list[StoredEntry] | BaseException, loops: dict[Any, list[Any]]
     ) -> None:
-        if self.waiter is None:
-            if isinstance(outcome, BaseException):
-                self.future.set_exception(outcome)
-            else:
-                self.future.set_result(outcome)
+        waiter = self.waiter
+        if isinstance(waiter, asyncio.Future):
+            loops.setdefault(waiter.get_loop(), []).append((waiter, outcome))
+        elif isinstance(outcome, BaseException):
+            waiter.set_exception(outcome)
         else:
-            loops.setdefault(self.waiter.get_loop(), []).append((self.waiter, outcome))
+            waiter.set_result(outcome)
 
 
 def _settle(settled: list[tuple[asyncio.Future[list[StoredEntry]], Any]]) -> None:
@@ -527,5 +529,5 @@ class SequencerLink:
 
 
 def _settle_one(request: Waiting, outcome: list[StoredEntry] | BaseException) -> None:
-    assert request.waiter is not None
+    assert isinstance(request.waiter, asyncio.Future)
     _resolve(request.waiter, outcome)
