@@ -13,6 +13,7 @@ from vault.errors import InvalidArgument
 # The server loads only when a command here runs: every other `vault` command, the Slurm
 # plugin's too, starts without it.
 if TYPE_CHECKING:
+    from vault.server.sequencer import Ahead
     from vault.server.serve import Serving
 
 
@@ -41,6 +42,20 @@ def add_serve_command(sub: Any) -> None:
 
 
 def _serve(args: argparse.Namespace, config: Config) -> int:
+    from vault.server.sequencer import Ahead
+
+    # The ledger's sequencer process starts first, and imports its code while this one imports
+    # the server's: start-up takes the longer of the two, not both.
+    ahead = Ahead.start() if config.ledger.sequencer == "process" else None
+    try:
+        _serve_with(args, config, ahead)
+    finally:
+        if ahead is not None:
+            ahead.discard()
+    return 0
+
+
+def _serve_with(args: argparse.Namespace, config: Config, ahead: Ahead | None) -> None:
     from vault.server.serve import serve
 
     tiles = None if args.tiles_http is None else _host_port("--tiles-http", args.tiles_http)
@@ -56,8 +71,8 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
         tiles_http=tiles,
         metrics_http=metrics,
         explorer_http=explorer,
+        sequencer=ahead,
     )
-    return 0
 
 
 def _host_port(option: str, text: str) -> tuple[str, int]:

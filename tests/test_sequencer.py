@@ -9,6 +9,7 @@ import hashlib
 import os
 import queue
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import grpc
 import pytest
 
 from tests.conftest import StartVault
-from tests.services.vault_server import REPO_ROOT, VaultServer
+from tests.services.vault_server import REPO_ROOT, VaultServer, run_vault
 from vault.ledger.sequencer import LINGER_BELOW, gather
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
@@ -243,6 +244,55 @@ def test_the_link_to_the_sequencer_has_no_address(start_vault: StartVault) -> No
     )
     assert alone.returncode == 2
     assert alone.stderr == "vault.server.sequencer is started by `vault serve` only\n"
+
+
+def _marked(mark: str) -> list[int]:
+    """The pids of processes whose environment holds `mark`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SEQUENCER_TEST_MARK={mark}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_server_that_cannot_start_leaves_no_sequencer_behind(
+    start_vault: StartVault, tmp_path: Path
+) -> None:
+    # `vault serve` starts its sequencer before it imports its own code; a server that then
+    # refuses to start (here: the folder has a server already) must not leave it running.
+    first = start_vault()
+    mark = f"{os.getpid()}-{time.monotonic_ns()}"
+    second = run_vault(
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        env={"PINVAULT_DATA_DIR": str(first.data_dir), "SEQUENCER_TEST_MARK": mark},
+        state_home=tmp_path / "state",
+        timeout=60,
+    )
+    assert second.returncode == 1, second.describe()
+    assert "another vault server" in second.error_line()
+    wait_for("no sequencer of the refused server", lambda: _marked(mark) == [], timeout=10)
+    assert len(sequencers(first)) == 1
+    # A sequencer whose server goes away before sending it anything exits quietly.
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", SEQUENCER, str(theirs.fileno())],
+        pass_fds=[theirs.fileno()],
+        cwd=REPO_ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    theirs.close()
+    ours.close()
+    _, errors = waiting.communicate(timeout=60)
+    assert (waiting.returncode, errors) == (0, "")
 
 
 def test_the_in_process_writer_serves_and_starts_no_sequencer(

@@ -152,8 +152,9 @@ def send(sock: socket.socket, message: Any) -> None:
     sock.sendall(_frame(marshal.dumps(message)))
 
 
-def receive(sock: socket.socket, timeout: float) -> Any:
-    """One whole frame, for the start of the link (before either side streams)."""
+def receive(sock: socket.socket, timeout: float | None) -> Any:
+    """One whole frame, for the start of the link (before either side streams); `timeout`
+    None waits as long as the link is open."""
     sock.settimeout(timeout)
     try:
         header = _receive_exactly(sock, _LENGTH.size)

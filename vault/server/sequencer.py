@@ -16,13 +16,17 @@ import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from vault.errors import Unavailable, VaultError
-from vault.ledger.db import open_database
-from vault.ledger.log import Ledger
-from vault.ledger.sequencer import Sequencer, SequencerLink, receive, send
+
+# The ledger's code is imported where it is used: `vault serve` starts its sequencer before
+# it imports its own code (`Ahead`), and the sequencer imports its own while it waits for the
+# server.
+if TYPE_CHECKING:
+    from vault.ledger.log import Ledger
 
 log = logging.getLogger("pinvault")
 
@@ -34,20 +38,18 @@ STOP_TIMEOUT: Final = 30.0
 _READY: Final = "ready"
 
 
-class SequencerProcesses:
-    """Starts the ledger's sequencer processes for one server: one at a time, another when one
-    stops, each on an anonymous socket pair whose other end only this process holds."""
+@dataclass
+class Ahead:
+    """A sequencer process started before the server that will use it has imported its own
+    code, so that the two import at once; until it is sent its database it has opened
+    nothing."""
 
-    def __init__(self, url: str, *, commit_window: float) -> None:
-        self.url = url
-        self.commit_window = commit_window
-        self._started: list[subprocess.Popen[bytes]] = []
+    process: subprocess.Popen[bytes]
+    link: socket.socket
+    taken: bool = False
 
-    def start(self) -> socket.socket:
-        """A new sequencer process, and the server's end of its link, once it is ready to
-        commit."""
-        # Reaps those that stopped.
-        self._started = [p for p in self._started if p.poll() is None]
+    @classmethod
+    def start(cls) -> Ahead:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             process = subprocess.Popen(
@@ -63,6 +65,37 @@ class SequencerProcesses:
             raise Unavailable(f"cannot start the ledger's sequencer: {exc.strerror}") from None
         finally:
             theirs.close()
+        return cls(process, ours)
+
+    def discard(self) -> None:
+        """Stop it if no server took it (it has touched nothing then)."""
+        if self.taken:
+            return
+        self.link.close()
+        self.process.kill()
+        self.process.wait()
+
+
+class SequencerProcesses:
+    """Starts the ledger's sequencer processes for one server: one at a time, another when one
+    stops, each on an anonymous socket pair whose other end only this process holds."""
+
+    def __init__(self, url: str, *, commit_window: float, ahead: Ahead | None = None) -> None:
+        self.url = url
+        self.commit_window = commit_window
+        self._ahead = ahead
+        self._started: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> socket.socket:
+        """A new sequencer process (the one started ahead, the first time), and the server's
+        end of its link, once it is ready to commit."""
+        from vault.ledger.sequencer import receive, send
+
+        # Reaps those that stopped.
+        self._started = [p for p in self._started if p.poll() is None]
+        ahead, self._ahead = self._ahead or Ahead.start(), None
+        ahead.taken = True
+        process, ours = ahead.process, ahead.link
         self._started.append(process)
         # The URL may hold a password: it goes over the link, never on a command line.
         try:
@@ -101,12 +134,14 @@ def _child_environment() -> dict[str, str]:
 
 @contextlib.asynccontextmanager
 async def linked_sequencer(
-    url: str, *, commit_window: float, ledger: Ledger
+    url: str, *, commit_window: float, ledger: Ledger, ahead: Ahead | None = None
 ) -> AsyncIterator[None]:
-    """A sequencer process for `ledger` on the database `url`, linked on the running loop and
-    attached to the ledger (its appends go there) until the block ends; then the appends in
-    flight are answered, and the sequencer exits."""
-    processes = SequencerProcesses(url, commit_window=commit_window)
+    """A sequencer process for `ledger` on the database `url` (the one started `ahead`, if
+    any), linked on the running loop and attached to the ledger (its appends go there) until
+    the block ends; then the appends in flight are answered, and the sequencer exits."""
+    from vault.ledger.sequencer import SequencerLink
+
+    processes = SequencerProcesses(url, commit_window=commit_window, ahead=ahead)
     link = await SequencerLink.open(processes.start, ledger.committed)
     ledger.attach(link)
     try:
@@ -128,8 +163,18 @@ def main(argv: list[str]) -> int:
         print("vault.server.sequencer is started by `vault serve` only", file=sys.stderr)
         return 2
     sock = socket.socket(fileno=int(argv[0]))
+    # Imported while the server imports its own code and opens the database.
+    from vault.ledger.db import open_database
+    from vault.ledger.sequencer import Sequencer, receive, send
+
     try:
-        url, commit_window = receive(sock, START_TIMEOUT)
+        # No time limit: the server may first be upgrading a large ledger's schema. If it
+        # goes away instead, the link closes.
+        message = receive(sock, None)
+    except (OSError, EOFError, ValueError):
+        return 0  # the server stopped before it needed this sequencer
+    try:
+        url, commit_window = message
         db = open_database(url, create=False)
     except VaultError as exc:
         send(sock, str(exc))

@@ -30,7 +30,7 @@ from vault.server.explorer import ExplorerServer
 from vault.server.folder_lock import make_data_folder, only_server
 from vault.server.gatekeeper import Gatekeeper, Limits
 from vault.server.metrics import ScrubWatch, Sources, serve_metrics
-from vault.server.sequencer import linked_sequencer
+from vault.server.sequencer import Ahead, linked_sequencer
 from vault.server.service import build_server
 from vault.server.store_service import ScrubRunner
 from vault.server.tiles_http import TilesServer
@@ -178,11 +178,13 @@ def serve(
     tiles_http: tuple[str, int] | None = None,
     metrics_http: tuple[str, int] | None = None,
     explorer_http: tuple[str, int] | None = None,
+    sequencer: Ahead | None = None,
 ) -> None:
     """Serve the vault `config` describes on `listen` (default server.listen) until SIGTERM or
     SIGINT, its tiles read-only over HTTP on `tiles_http` (host, port) if given, its
     Prometheus metrics on `metrics_http` and the ledger explorer on `explorer_http` if given;
-    `started` is told where once it listens, `stopping` when a signal came."""
+    `started` is told where once it listens, `stopping` when a signal came. With
+    ledger.sequencer = "process", `sequencer` is its process if one was started ahead."""
     listen = listen or config.server.listen
     check_access(config, listen)
     if explorer_http is not None:
@@ -211,6 +213,7 @@ def serve(
             tiles_http=tiles_http,
             metrics_http=metrics_http,
             explorer_http=explorer_http,
+            sequencer=sequencer,
         )
 
 
@@ -225,6 +228,7 @@ def _serve_folder(
     tiles_http: tuple[str, int] | None,
     metrics_http: tuple[str, int] | None,
     explorer_http: tuple[str, int] | None,
+    sequencer: Ahead | None,
 ) -> None:
     key = load_or_create_key(config)
     db = open_ledger_database(config)
@@ -293,6 +297,7 @@ def _serve_folder(
                 tiles_url=None if tiles is None else tiles.url,
                 metrics_url=None if metrics is None else metrics.url,
                 explorer_url=None if explorer is None else explorer.url,
+                sequencer=sequencer,
             )
         )
     finally:
@@ -335,6 +340,7 @@ async def _serve(
     tiles_url: str | None,
     metrics_url: str | None,
     explorer_url: str | None,
+    sequencer: Ahead | None,
 ) -> None:
     loop = asyncio.get_running_loop()
     # Blocking work (disk, hashing, PostgreSQL) runs on these threads, off the event loop.
@@ -345,7 +351,10 @@ async def _serve(
         if config.ledger.sequencer == "process":
             await stack.enter_async_context(
                 linked_sequencer(
-                    config.database_url, commit_window=config.ledger.commit_window, ledger=ledger
+                    config.database_url,
+                    commit_window=config.ledger.commit_window,
+                    ledger=ledger,
+                    ahead=sequencer,
                 )
             )
         gatekeeper = Gatekeeper(
