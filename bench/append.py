@@ -24,9 +24,10 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -59,7 +60,7 @@ def random_digest() -> str:
     return "sha256:" + os.urandom(32).hex()
 
 
-def _sqlite(path: str | Path) -> sqlite3.Connection:
+def sqlite_connection(path: str | Path) -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=FULL")
@@ -67,13 +68,13 @@ def _sqlite(path: str | Path) -> sqlite3.Connection:
 
 
 @contextmanager
-def _log_copied_back(path: Path) -> Iterator[None]:
+def log_copied_back(path: Path) -> Iterator[None]:
     """SQLite's write-ahead log copied back into the database by a second connection at most
     every WAL_CHECKPOINT_EVERY seconds, as beside the vault's writer."""
     stop = threading.Event()
 
     def copy_back() -> None:
-        conn = _sqlite(path)
+        conn = sqlite_connection(path)
         try:
             while not stop.wait(WAL_CHECKPOINT_EVERY):
                 conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
@@ -89,6 +90,56 @@ def _log_copied_back(path: Path) -> Iterator[None]:
         thread.join()
 
 
+INSERT_SUBJECTS = "INSERT INTO entry_subjects (digest, idx) VALUES (?, ?)"
+
+
+@dataclass
+class Batch:
+    """BATCH entries' rows as the ledger stores them, their subject index rows (raw digest,
+    index) and the head after them."""
+
+    rows: Sequence[tuple[object, ...]]
+    subjects: list[tuple[bytes, int]]
+    head: tuple[int, bytes]
+
+
+def ledger_batches(conn: sqlite3.Connection, entries: int) -> Iterator[Batch]:
+    """`entries` new pins (one random digest each) after the head of the ledger in `conn`,
+    chained to it, BATCH at a time."""
+    first, prev = conn.execute("SELECT size, last_leaf FROM ledger_head").fetchone()
+    stamp = now()
+    for start in range(first, first + entries, BATCH):
+        rows, subjects = [], []
+        for index in range(start, start + BATCH):
+            digest = random_digest()
+            body = Entry(index, "artefact", (digest,), "bench", stamp, prev, {}, True).encode()
+            prev = leaf_hash(body)
+            rows.append((index, body, prev, "artefact", "bench", stamp, True))
+            subjects.append((digest_key(digest), index))
+        yield Batch(rows, subjects, (start + BATCH, prev))
+
+
+def write_batch(
+    conn: sqlite3.Connection,
+    batch: Batch,
+    index_subjects: Callable[[list[tuple[bytes, int]]], object] | None = None,
+) -> None:
+    """One commit of the batch: its entries, its subject rows (into entry_subjects, or by
+    `index_subjects`), and the head moved past them, as an append writes them."""
+    conn.execute("BEGIN IMMEDIATE")
+    conn.executemany(
+        "INSERT INTO entries (idx, body, leaf_hash, kind, author, time, external) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?)",
+        batch.rows,
+    )
+    if index_subjects is None:
+        conn.executemany(INSERT_SUBJECTS, batch.subjects)
+    else:
+        index_subjects(batch.subjects)
+    conn.execute("UPDATE ledger_head SET size = ?, last_leaf = ? WHERE id = 1", batch.head)
+    conn.execute("COMMIT")
+
+
 def bare_sqlite_batch_rate(entries: int, ledger: Path | None = None) -> float:
     """Entries as the ledger stores them, written by SQLite alone into the ledger's schema,
     BATCH to a commit with the head moved as an append moves it, and the log copied back beside
@@ -98,32 +149,13 @@ def bare_sqlite_batch_rate(entries: int, ledger: Path | None = None) -> float:
         path = ledger if ledger is not None else Path(tmp) / "ledger.db"
         if ledger is None:
             open_database(f"sqlite:///{path}").dispose()
-        conn = _sqlite(path)
+        conn = sqlite_connection(path)
         conn.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_PAGES}")
-        first, prev = conn.execute("SELECT size, last_leaf FROM ledger_head").fetchone()
-        stamp = now()
-        batches = []
-        for start in range(first, first + entries, BATCH):
-            rows, subjects = [], []
-            for index in range(start, start + BATCH):
-                digest = random_digest()
-                body = Entry(index, "artefact", (digest,), "bench", stamp, prev, {}, True).encode()
-                prev = leaf_hash(body)
-                rows.append((index, body, prev, "artefact", "bench", stamp, True))
-                subjects.append((digest_key(digest), index))
-            batches.append((rows, subjects, (start + BATCH, prev)))
-        with _log_copied_back(path):
+        batches = list(ledger_batches(conn, entries))
+        with log_copied_back(path):
             begin = time.perf_counter()
-            for rows, subjects, head in batches:
-                conn.execute("BEGIN IMMEDIATE")
-                conn.executemany(
-                    "INSERT INTO entries (idx, body, leaf_hash, kind, author, time, external) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    rows,
-                )
-                conn.executemany("INSERT INTO entry_subjects (digest, idx) VALUES (?, ?)", subjects)
-                conn.execute("UPDATE ledger_head SET size = ?, last_leaf = ? WHERE id = 1", head)
-                conn.execute("COMMIT")
+            for batch in batches:
+                write_batch(conn, batch)
             rate = entries / (time.perf_counter() - begin)
         conn.close()
     return rate
@@ -132,7 +164,7 @@ def bare_sqlite_batch_rate(entries: int, ledger: Path | None = None) -> float:
 def naive_sqlite_rate(seconds: float) -> float:
     """One transaction and one sync per entry: what group commit is measured against."""
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
-        conn = _sqlite(f"{tmp}/naive.db")
+        conn = sqlite_connection(f"{tmp}/naive.db")
         conn.execute("CREATE TABLE t (i INTEGER PRIMARY KEY, body BLOB)")
         n = 0
         deadline = time.perf_counter() + seconds
