@@ -23,28 +23,39 @@ NOT_ON_POSTGRES = {"bare"}
 NUMBER = re.compile(r"^[0-9][0-9,]*(\.[0-9]+)?$")
 
 
+def bench(tmp_path: Path, *args: str, timeout: float) -> str:
+    """What `python -m ARGS` (a benchmark) prints, its scratch files under `tmp_path`, once it
+    has exited 0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PINVAULT_")}
+    env["BENCH_TMP"] = str(tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert run.returncode == 0, (
+        f"--- stdout\n{run.stdout[-6000:]}\n--- stderr\n{run.stderr[-6000:]}"
+    )
+    return run.stdout
+
+
 @pytest.mark.timeout(1200)
 def test_the_scale_benchmark_measures_every_figure_to_100k_on_both_engines(
     tmp_path: Path,
 ) -> None:
     plot = tmp_path / "scale.png"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PINVAULT_")}
-    env["BENCH_TMP"] = str(tmp_path)
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.scale", "--quick", "--engine", "both", "--plot", str(plot)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1100,
-        check=False,
+    out = bench(
+        tmp_path, "bench.scale", "--quick", "--engine", "both", "--plot", str(plot), timeout=1100
     )
-    report = f"--- stdout\n{run.stdout[-6000:]}\n--- stderr\n{run.stderr[-6000:]}"
-    assert run.returncode == 0, report
-    assert "stopped early" not in run.stdout, report
+    report = out[-6000:]
+    assert "stopped early" not in out, report
 
     rows = {}
-    for line in run.stdout.splitlines():
+    for line in out.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 2 + len(FIGURES) and cells[0] in ("sqlite", "postgres"):
             rows[(cells[0], cells[1])] = dict(zip([f.key for f in FIGURES], cells[2:], strict=True))
@@ -74,22 +85,11 @@ def test_the_scale_benchmark_measures_every_figure_to_100k_on_both_engines(
 def test_the_subject_index_benchmark_measures_both_layouts_and_finds_what_they_hold(
     tmp_path: Path,
 ) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PINVAULT_")}
-    env["BENCH_TMP"] = str(tmp_path)
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.subject_index", "--to", "100k"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=500,
-        check=False,
-    )
     # Each layout's look-ups of digests it was given must find them, or the run stops.
-    assert run.returncode == 0, f"--- stdout\n{run.stdout}\n--- stderr\n{run.stderr[-6000:]}"
+    out = bench(tmp_path, "bench.subject_index", "--to", "100k", timeout=500)
     rows = [
         line
-        for line in run.stdout.splitlines()
+        for line in out.splitlines()
         if line.startswith("| b-tree") or line.startswith("| sorted runs")
     ]
     assert [row.split("|")[1:3] for row in rows] == [
@@ -97,5 +97,5 @@ def test_the_subject_index_benchmark_measures_both_layouts_and_finds_what_they_h
         [" b-tree ", " 100k "],
         [" sorted runs ", " 10k "],
         [" sorted runs ", " 100k "],
-    ], run.stdout
-    assert all(re.search(r"\| [0-9,]+ \([0-9]+\.[0-9]{2}×\) \|", row) for row in rows), run.stdout
+    ], out
+    assert all(re.search(r"\| [0-9,]+ \([0-9]+\.[0-9]{2}×\) \|", row) for row in rows), out
