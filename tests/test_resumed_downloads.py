@@ -79,7 +79,12 @@ def stop_midway(get: Any, folder: Path, stop: signal.Signals) -> tuple[bytes, st
     printed."""
     deadline = time.monotonic() + WAIT
     while not any(p.stat().st_size >= 16 * MiB for p in partials(folder)):
-        assert get.poll() is None, "the get ended before it could be stopped"
+        if get.poll() is not None:
+            out, err = get.communicate()
+            raise AssertionError(
+                f"the get ended ({get.returncode}) before it could be stopped\n"
+                f"--- stdout\n{out[-2000:]!r}\n--- stderr\n{err.decode(errors='replace')[-4000:]}"
+            )
         assert time.monotonic() < deadline, "the get wrote nothing"
         time.sleep(0.002)
     get.send_signal(signal.SIGSTOP)
