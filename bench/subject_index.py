@@ -62,8 +62,6 @@ class Layout:
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
-        self.merge_s = 0.0
-        self.longest_merge_s = 0.0
 
     def insert(self, subjects: Sequence[tuple[bytes, int]]) -> None:
         raise NotImplementedError
@@ -154,8 +152,7 @@ def grow(layout: Layout, path: Path, sizes: Sequence[int]) -> list[Stretch]:
     done = 0
     with log_copied_back(path):
         for size in sizes:
-            spent = 0.0
-            layout.merge_s = layout.longest_merge_s = 0.0
+            spent = merges = longest = 0.0
             for batch in ledger_batches(conn, size - done):
                 begin = time.perf_counter()
                 write_batch(conn, batch, layout.insert)
@@ -163,14 +160,12 @@ def grow(layout: Layout, path: Path, sizes: Sequence[int]) -> list[Stretch]:
                 layout.after_commit()
                 end = time.perf_counter()
                 spent += end - begin
-                layout.merge_s += end - merging
-                layout.longest_merge_s = max(layout.longest_merge_s, end - merging)
+                merges += end - merging
+                longest = max(longest, end - merging)
                 sample += [digest for digest, _ in batch.subjects[::SAMPLE_EVERY]]
             rate = (size - done) / spent
             done = size
-            stretches.append(
-                Stretch(size, rate, layout.merge_s, layout.longest_merge_s, lookups(layout, sample))
-            )
+            stretches.append(Stretch(size, rate, merges, longest, lookups(layout, sample)))
             print(f"  {layout.name} at {size:,}: {rate:,.0f} entries/s", flush=True)
     return stretches
 

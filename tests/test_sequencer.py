@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -29,13 +30,16 @@ from vault.wire import pinvault_pb2_grpc as rpc
 SEQUENCER = "vault.server.sequencer"
 
 
+def processes() -> Iterator[Path]:
+    """/proc's folder of each process running now."""
+    return (entry for entry in Path("/proc").iterdir() if entry.name.isdigit())
+
+
 def sequencers(server: VaultServer) -> list[int]:
     """The pids of the server's sequencer children."""
     assert server.process is not None
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry in processes():
         try:
             stat = (entry / "stat").read_text()
             command = (entry / "cmdline").read_bytes().split(b"\0")
@@ -249,9 +253,7 @@ def test_the_link_to_the_sequencer_has_no_address(start_vault: StartVault) -> No
 def _marked(mark: str) -> list[int]:
     """The pids of processes whose environment holds `mark`."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry in processes():
         try:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
