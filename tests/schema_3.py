@@ -14,6 +14,9 @@ def subjects_as_schema_3(conn: Connection) -> None:
     that makes an older database out of a new one; its guards are those of schema 1."""
     rows = conn.execute(text("SELECT digest, idx FROM entry_subjects")).all()
     conn.execute(text("DROP TABLE entry_subjects"))
+    # Schema 6's subject index beside it, on SQLite.
+    conn.execute(text("DROP TABLE IF EXISTS subject_recent"))
+    conn.execute(text("DROP TABLE IF EXISTS subject_runs"))
     conn.execute(
         text(
             "CREATE TABLE entry_subjects (digest TEXT NOT NULL, idx BIGINT NOT NULL, "

@@ -73,7 +73,10 @@ def _stored_as(db: Path) -> tuple[set[type], str]:
     return digests, key[0]
 
 
-@pytest.mark.parametrize(("schema", "stored"), [(3, ({str}, "BIGINT")), (4, ({bytes}, "BIGINT"))])
+@pytest.mark.parametrize(
+    ("schema", "stored"),
+    [(3, ({str}, "BIGINT")), (4, ({bytes}, "BIGINT")), (5, ({bytes}, "INTEGER"))],
+)
 def test_a_vault_of_an_earlier_release_is_upgraded_and_verifies(
     start_vault: StartVault, tmp_path: Path, schema: int, stored: tuple[set[type], str]
 ) -> None:

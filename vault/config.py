@@ -89,6 +89,9 @@ class LedgerConfig:
     # (appends then do not share the gRPC event loop's interpreter lock), or "thread", a thread
     # of the server's process (one process fewer, for a host that limits them).
     sequencer: str = "process"
+    # On SQLite, the subject index's newest rows that make one of its sorted runs (see
+    # vault.ledger.subject_index): a larger value folds less often into larger runs.
+    subject_fold_rows: int = 65_536
 
 
 @dataclass(frozen=True)
@@ -319,6 +322,7 @@ _RANGES: Final[Mapping[str, tuple[float, float]]] = {
     "server.failed_auth_rate": (0.001, 1_000_000.0),
     "ledger.checkpoint_interval": (0.01, 86_400.0),
     "ledger.commit_window": (0.0, 1.0),
+    "ledger.subject_fold_rows": (16, 16_777_216),
     "admission.verify_interval": (0.0, _YEAR),
     "admission.replays_per_team": (0, 10_000),
     "admission.replay_lease": (0.1, _YEAR),

@@ -36,8 +36,15 @@ from sqlalchemy.pool import NullPool
 
 from vault.digest import digest_key
 from vault.errors import DiskFull, ResourceExhausted, VaultError
+from vault.ledger.subject_index import (
+    RECENT_TABLE,
+    RUNS_TABLE,
+    Folds,
+    SubjectIndex,
+    database_path,
+)
 
-SCHEMA_VERSION: Final = 5
+SCHEMA_VERSION: Final = 6
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +83,10 @@ entries = Table(
 )
 
 # Schema 4: keyed by the digest's raw bytes (vault.digest.digest_key: a SHA-256 digest's 32),
-# in a table that is its own key (no rowid table beside the key's index on SQLite), so that an
-# append's random inserts touch one B-tree of short keys.
+# in a table that is its own key (no rowid table beside the key's index on SQLite). That is the
+# table on PostgreSQL, whose own index answers look-ups. Schema 6, on SQLite: the table is keyed
+# by (idx, digest), so that appends add to its end, and look-ups go through the subject index's
+# sorted runs (`vault.ledger.subject_index`, `_SQLITE_SUBJECTS`).
 entry_subjects = Table(
     "entry_subjects",
     metadata,
@@ -188,6 +197,7 @@ class Database:
     write: Engine
     _local: threading.local = field(default_factory=threading.local)
     _held: list[Any] = field(default_factory=list)
+    _subjects: list[SubjectIndex] = field(default_factory=list)
     is_sqlite: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -209,6 +219,65 @@ class Database:
             # A broken connection must not be reused by this thread.
             self._local.conn = None
             raise
+
+    def snapshot(self, queries: Sequence[tuple[str, Sequence[Any]]]) -> list[list[tuple[Any, ...]]]:
+        """Several queries (`?` placeholders) read in one SQLite transaction: one moment of
+        the database, whatever commits meanwhile."""
+        assert self.is_sqlite, "snapshots of several queries are read on SQLite only"
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self._raw_connection()
+        try:
+            conn.execute("BEGIN")
+            try:
+                return [conn.execute(sql, params).fetchall() for sql, params in queries]
+            finally:
+                conn.execute("COMMIT")
+        except Exception:
+            self._local.conn = None
+            raise
+
+    def naming(
+        self,
+        columns: str,
+        keys: Sequence[bytes],
+        *,
+        where: str = "",
+        params: Sequence[Any] = (),
+        limit: int | None = None,
+    ) -> list[tuple[Any, ...]]:
+        """`columns` of `entry_subjects s JOIN entries e` for the entries naming any of `keys`
+        (raw digest keys), in index order, the first `limit` only if given; `where` adds a
+        condition (`AND ...`) with its `params`. On SQLite the subject index gives the entries'
+        indexes and the join keeps only those whose rows name one of `keys`."""
+        sql = (
+            f"SELECT {columns} FROM entry_subjects s JOIN entries e ON e.idx = s.idx "
+            f"WHERE s.digest IN ({placeholders(len(keys))}){where}"
+        )
+        if not keys:
+            return []
+        if not self.is_sqlite:
+            tail = " ORDER BY s.idx" + ("" if limit is None else f" LIMIT {int(limit)}")
+            return self.fetch(sql + tail, [*keys, *params])
+        found: list[tuple[Any, ...]] = []
+        indexes = self.subjects.indexes(keys, limit)
+        per = _SQLITE_BOUND_VALUES - len(keys) - len(params)
+        for start in range(0, len(indexes), per):
+            part = indexes[start : start + per]
+            found += self.fetch(
+                sql + f" AND s.idx IN ({placeholders(len(part))}) ORDER BY s.idx",
+                [*keys, *params, *part],
+            )
+        return found
+
+    @property
+    def subjects(self) -> SubjectIndex:
+        """Which entries name a digest (see `vault.ledger.subject_index`); SQLite only."""
+        index: SubjectIndex | None = self._subjects[0] if self._subjects else None
+        if index is None:
+            index = SubjectIndex(self.snapshot, database_path(self.url))
+            self._subjects[:] = [index]
+        return index
 
     def _raw_connection(self) -> Any:
         raw = self.read.raw_connection()
@@ -233,6 +302,10 @@ class Transaction:
     def __init__(self, cursor: Any, sqlite: bool) -> None:
         self._cursor = cursor
         self._sqlite = sqlite
+
+    @property
+    def sqlite(self) -> bool:
+        return self._sqlite
 
     def _sql(self, sql: str) -> str:
         return sql if self._sqlite else sql.replace("?", "%s")
@@ -317,15 +390,27 @@ class Writer:
 
     `checkpoints_aside`: on SQLite, the write-ahead log is copied back into the database file
     by a thread of its own (`_Checkpoints`) rather than inside this writer's commits, which
-    are the ledger's serial path; the writer still does it itself past WAL_BACKSTOP_PAGES."""
+    are the ledger's serial path; the writer still does it itself past WAL_BACKSTOP_PAGES.
 
-    def __init__(self, db: Database, *, checkpoints_aside: bool = False, reserve: int = 0) -> None:
+    `fold_rows`: the ledger's writer, on a SQLite file, also keeps the subject index's runs
+    beside its commits (`vault.ledger.subject_index.Folds`, of runs of this many rows)."""
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        checkpoints_aside: bool = False,
+        reserve: int = 0,
+        fold_rows: int | None = None,
+    ) -> None:
         self._db = db
         self._raw: Any = None
-        path = make_url(db.url).database if db.is_sqlite else None
-        folder = os.path.dirname(os.path.abspath(path)) if path and path != ":memory:" else None
+        path = database_path(db.url)
+        folder = os.path.dirname(path) if path is not None else None
         self._aside = checkpoints_aside and folder is not None
         self._checkpoints: _Checkpoints | None = None
+        # Started with the writer, so that it tidies the runs a crash left before any append.
+        self._folds = Folds(path, fold_rows) if path is not None and fold_rows else None
         # A transaction is refused, naming the folder, while its disk has less than `reserve`
         # bytes free: the write-ahead log may still have room to reuse, but whether a write
         # fits must not depend on when the log was last copied back.
@@ -355,6 +440,8 @@ class Writer:
             cursor.execute("COMMIT")
             if self._checkpoints is not None:
                 self._checkpoints.due()
+            if self._folds is not None:
+                self._folds.due()
         except BaseException as exc:
             try:
                 cursor.execute("ROLLBACK")
@@ -372,6 +459,9 @@ class Writer:
         if self._checkpoints is not None:
             self._checkpoints.stop()
             self._checkpoints = None
+        if self._folds is not None:
+            self._folds.stop()
+            self._folds = None
         if self._raw is not None:
             with suppress(Exception):
                 self._raw.close()
@@ -442,6 +532,7 @@ def migrate(db: Database, *, create: bool = True) -> None:
                 raise SchemaError("database has no pinvault schema")
             metadata.create_all(conn)
             _install_immutability(conn)
+            _sqlite_subject_layout(conn)
             conn.execute(schema_version.insert().values(version=SCHEMA_VERSION))
             conn.execute(ledger_head.insert().values(id=1, size=0, last_leaf=bytes(32)))
             return
@@ -531,6 +622,38 @@ def _add_schema_5(conn: Connection) -> None:
     conn.execute(text(f"DROP TABLE {old}"))
     _refuse_change_and_delete(conn, ("entries",))
     _refuse_insert_below_head(conn, ("entries",))
+
+
+_SQLITE_SUBJECTS: Final = (
+    "CREATE TABLE entry_subjects (idx INTEGER NOT NULL, digest BLOB NOT NULL, "
+    "PRIMARY KEY (idx, digest)) WITHOUT ROWID"
+)
+
+
+def _add_schema_6(conn: Connection) -> None:
+    """Schema 6, on SQLite: `entry_subjects` keyed by (idx, digest), in append order, and the
+    subject index as a log-structured merge beside it (`vault.ledger.subject_index`): its
+    recent rows start as every subject row, which the writer's first fold writes out as one
+    sorted run. The entries, their leaf hashes and the checkpoints are not touched."""
+    _sqlite_subject_layout(conn)
+
+
+def _sqlite_subject_layout(conn: Connection) -> None:
+    if conn.dialect.name != "sqlite":
+        return
+    old = "entry_subjects_5"
+    conn.execute(text("DROP INDEX ix_entry_subjects_idx"))
+    conn.execute(text(f"ALTER TABLE entry_subjects RENAME TO {old}"))
+    conn.execute(text(_SQLITE_SUBJECTS))
+    copy = "INSERT INTO {} ({}) SELECT {} FROM {} ORDER BY 1, 2"
+    conn.execute(text(copy.format("entry_subjects", "idx, digest", "idx, digest", old)))
+    conn.execute(text(RECENT_TABLE))
+    conn.execute(text(RUNS_TABLE))
+    conn.execute(text(copy.format("subject_recent", "digest, idx", "digest, idx", old)))
+    # Its guards (renamed with it) go with it, so that the new table's can take their names.
+    conn.execute(text(f"DROP TABLE {old}"))
+    _refuse_change_and_delete(conn, ("entry_subjects",))
+    _refuse_insert_below_head(conn, ("entry_subjects",))
 
 
 def _sqlite_key_is_rowid(conn: Connection, table: str) -> bool:
@@ -700,4 +823,5 @@ UPGRADES: dict[int, Callable[[Connection], None]] = {
     3: _add_schema_3,
     4: _add_schema_4,
     5: _add_schema_5,
+    6: _add_schema_6,
 }

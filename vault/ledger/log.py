@@ -52,6 +52,7 @@ from vault.ledger.sequencer import (
     settle_all,
     write_entries,
 )
+from vault.ledger.subject_index import FOLD_ROWS
 from vault.ledger.tile_nodes import TileNodesFile
 from vault.ledger.tiles import TILE_HEIGHT, Tile, TileStore
 
@@ -123,6 +124,7 @@ class Ledger:
         origin: str,
         checkpoint_interval: float = 1.0,
         commit_window: float = 0.002,
+        fold_rows: int = FOLD_ROWS,
         last_signed: Path | None = None,
         tiles: Path | None = None,
         writer: bool = True,
@@ -158,7 +160,14 @@ class Ledger:
         self._queue: queue.SimpleQueue[Waiting | object] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._commit_window = commit_window
-        self._writer_db = Writer(db, checkpoints_aside=True, reserve=LEDGER_RESERVE)
+        # Only the ledger's one writer folds the subject index (a server with a sequencer
+        # process leaves it to that process).
+        self._writer_db = Writer(
+            db,
+            checkpoints_aside=True,
+            reserve=LEDGER_RESERVE,
+            fold_rows=fold_rows if writer else None,
+        )
         # A ledger that fails its check still starts, so that an auditor can read it and
         # `vault verify` can say where it broke; appends and proofs past the break are refused.
         self.fault: VerificationError | None = None
@@ -617,24 +626,10 @@ class Ledger:
 
     # ------------------------------------------------------------------ queries
 
-    _BY_DIGEST = (
-        "SELECT s.digest, e.idx, e.body FROM entry_subjects s JOIN entries e ON e.idx = s.idx "
-        "WHERE s.digest IN ({}) ORDER BY e.idx"
-    )
-
-    _NAMING = (
-        "SELECT e.idx, e.body FROM entry_subjects s JOIN entries e ON e.idx = s.idx "
-        "WHERE s.digest = ? ORDER BY s.idx"
-    )
-
     def entries_naming(self, digest: str, limit: int | None = None) -> list[StoredEntry]:
-        """Entries naming one digest, in index order (a look-up's query: the subjects index
-        gives the order, where `entries_for`'s IN list needs a sort); the first `limit` only,
-        if given."""
-        if limit is None:
-            rows = self.db.fetch(self._NAMING, (digest_key(digest),))
-        else:
-            rows = self.db.fetch(self._NAMING + " LIMIT ?", (digest_key(digest), limit))
+        """Entries naming one digest, in index order (a look-up's query); the first `limit`
+        only, if given."""
+        rows = self.db.naming("e.idx, e.body", [digest_key(digest)], limit=limit)
         return [StoredEntry(idx, bytes(body)) for idx, body in rows]
 
     def entries_for(self, digests: Iterable[str]) -> dict[str, list[StoredEntry]]:
@@ -643,26 +638,18 @@ class Ledger:
         found: dict[str, list[StoredEntry]] = {d: [] for d in wanted}
         for start in range(0, len(wanted), QUERY_BATCH):
             part = [digest_key(d) for d in wanted[start : start + QUERY_BATCH]]
-            sql = self._BY_DIGEST.format(tables.placeholders(len(part)))
-            for key, idx, body in self.db.fetch(sql, part):
+            for key, idx, body in self.db.naming("s.digest, e.idx, e.body", part):
                 found[digest_from_key(bytes(key))].append(StoredEntry(idx, bytes(body)))
         return found
-
-    _BY_DIGEST_AND_KIND = (
-        "SELECT e.idx, e.body, e.external FROM entry_subjects s JOIN entries e ON e.idx = s.idx "
-        "WHERE s.digest = ? AND e.kind = ? ORDER BY e.idx"
-    )
 
     def pins_of_kind(self, digest: str, kind: str) -> list[tuple[StoredEntry, bool]]:
         """The entries of one kind naming `digest`, in index order, each with whether it pins
         external content. Cheaper than `entries_for` on a digest named by many entries of
         other kinds (an image every run names)."""
-        return [
-            (StoredEntry(idx, bytes(body)), bool(external))
-            for idx, body, external in self.db.fetch(
-                self._BY_DIGEST_AND_KIND, (digest_key(digest), kind)
-            )
-        ]
+        key = digest_key(digest)
+        columns = "e.idx, e.body, e.external"
+        rows = self.db.naming(columns, [key], where=" AND e.kind = ?", params=[kind])
+        return [(StoredEntry(idx, bytes(body)), bool(external)) for idx, body, external in rows]
 
     def entry(self, index: int) -> StoredEntry:
         with self.db.read.connect() as conn:
@@ -684,11 +671,19 @@ class Ledger:
             query = query.where(e.c.time >= where.since)
         if where.until:
             query = query.where(e.c.time < where.until)
-        if where.digest:
-            s = tables.entry_subjects
-            key = digest_key(where.digest)
-            query = query.where(e.c.idx.in_(select(s.c.idx).where(s.c.digest == key)))
         query = query.order_by(e.c.idx).limit(limit)
+        if where.digest:
+            # Only entries the subject index gives, of those after `start`.
+            key = digest_key(where.digest)
+            named = [i for (i,) in self.db.naming("e.idx", [key]) if i >= start]
+            found: list[StoredEntry] = []
+            with self.db.read.connect() as conn:
+                for part in range(0, len(named), QUERY_BATCH):
+                    chunk = query.where(e.c.idx.in_(named[part : part + QUERY_BATCH]))
+                    found += [StoredEntry(i, body) for i, body in conn.execute(chunk)]
+                    if len(found) >= limit:
+                        break
+            return found[:limit]
         with self.db.read.connect() as conn:
             return [StoredEntry(idx, body) for idx, body in conn.execute(query)]
 

@@ -31,6 +31,7 @@ from vault.ledger.db import LEDGER_RESERVE, Database, Transaction, Writer
 from vault.ledger.entry import encode_fields, now
 from vault.ledger.merkle import leaf_hash
 from vault.ledger.records import PinSpec, StoredEntry
+from vault.ledger.subject_index import FOLD_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,8 @@ def write_entries(
             size += 1
     tx.insert("entries", ENTRY_COLUMNS, rows)
     tx.insert("entry_subjects", SUBJECT_COLUMNS, subject_rows)
+    if tx.sqlite:  # the subject index's newest rows (vault.ledger.subject_index)
+        tx.insert("subject_recent", SUBJECT_COLUMNS, subject_rows)
     tx.run("UPDATE ledger_head SET size = ?, last_leaf = ? WHERE id = 1", (size, prev))
     return bodies, leaves
 
@@ -182,11 +185,20 @@ class Sequencer:
     only receives, so a server's sends never wait on a commit), commits whatever has queued up
     in one transaction, and answers each commit's appends once it is durable."""
 
-    def __init__(self, db: Database, sock: socket.socket, *, commit_window: float) -> None:
+    def __init__(
+        self,
+        db: Database,
+        sock: socket.socket,
+        *,
+        commit_window: float,
+        fold_rows: int = FOLD_ROWS,
+    ) -> None:
         self.db = db
         self.sock = sock
         self.commit_window = commit_window
-        self._writer = Writer(db, checkpoints_aside=True, reserve=LEDGER_RESERVE)
+        self._writer = Writer(
+            db, checkpoints_aside=True, reserve=LEDGER_RESERVE, fold_rows=fold_rows
+        )
         self._queue: queue.SimpleQueue[list[PinFields] | None] = queue.SimpleQueue()
         # The head this sequencer last wrote: a head found otherwise at the next commit was
         # moved by another server (PostgreSQL), which left a chain that must still join up.

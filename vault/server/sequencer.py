@@ -80,9 +80,12 @@ class SequencerProcesses:
     """Starts the ledger's sequencer processes for one server: one at a time, another when one
     stops, each on an anonymous socket pair whose other end only this process holds."""
 
-    def __init__(self, url: str, *, commit_window: float, ahead: Ahead | None = None) -> None:
+    def __init__(
+        self, url: str, *, commit_window: float, fold_rows: int, ahead: Ahead | None = None
+    ) -> None:
         self.url = url
         self.commit_window = commit_window
+        self.fold_rows = fold_rows
         self._ahead = ahead
         self._started: list[subprocess.Popen[bytes]] = []
 
@@ -99,7 +102,7 @@ class SequencerProcesses:
         self._started.append(process)
         # The URL may hold a password: it goes over the link, never on a command line.
         try:
-            send(ours, (self.url, self.commit_window))
+            send(ours, (self.url, self.commit_window, self.fold_rows))
             answer = receive(ours, START_TIMEOUT)
         except (OSError, EOFError, ValueError) as exc:
             ours.close()
@@ -134,14 +137,21 @@ def _child_environment() -> dict[str, str]:
 
 @contextlib.asynccontextmanager
 async def linked_sequencer(
-    url: str, *, commit_window: float, ledger: Ledger, ahead: Ahead | None = None
+    url: str,
+    *,
+    commit_window: float,
+    fold_rows: int,
+    ledger: Ledger,
+    ahead: Ahead | None = None,
 ) -> AsyncIterator[None]:
     """A sequencer process for `ledger` on the database `url` (the one started `ahead`, if
     any), linked on the running loop and attached to the ledger (its appends go there) until
     the block ends; then the appends in flight are answered, and the sequencer exits."""
     from vault.ledger.sequencer import SequencerLink
 
-    processes = SequencerProcesses(url, commit_window=commit_window, ahead=ahead)
+    processes = SequencerProcesses(
+        url, commit_window=commit_window, fold_rows=fold_rows, ahead=ahead
+    )
     link = await SequencerLink.open(processes.start, ledger.committed)
     ledger.attach(link)
     try:
@@ -174,7 +184,7 @@ def main(argv: list[str]) -> int:
     except (OSError, EOFError, ValueError):
         return 0  # the server stopped before it needed this sequencer
     try:
-        url, commit_window = message
+        url, commit_window, fold_rows = message
         db = open_database(url, create=False)
     except VaultError as exc:
         send(sock, str(exc))
@@ -183,7 +193,9 @@ def main(argv: list[str]) -> int:
         send(sock, f"cannot open the ledger database: {exc}")
         return 1
     try:
-        sequencer = Sequencer(db, sock, commit_window=float(commit_window))
+        sequencer = Sequencer(
+            db, sock, commit_window=float(commit_window), fold_rows=int(fold_rows)
+        )
         send(sock, _READY)
         sequencer.run()
     finally:

@@ -238,6 +238,7 @@ def _serve_folder(
         origin=config.origin,
         checkpoint_interval=config.ledger.checkpoint_interval,
         commit_window=config.ledger.commit_window,
+        fold_rows=config.ledger.subject_fold_rows,
         last_signed=config.data_path / LAST_SIGNED,
         tiles=config.data_path / TILES,
         # With a sequencer process, appends wait for its link (opened on the event loop).
@@ -353,6 +354,7 @@ async def _serve(
                 linked_sequencer(
                     config.database_url,
                     commit_window=config.ledger.commit_window,
+                    fold_rows=config.ledger.subject_fold_rows,
                     ledger=ledger,
                     ahead=sequencer,
                 )

@@ -103,11 +103,7 @@ def _kinds_of(db: Database) -> Callable[[list[Digest]], dict[Digest, set[str]]]:
                 names[digest_key(sha)] = names[digest_key(blake)] = sha
             if not names:
                 continue
-            sql = (
-                "SELECT s.digest, e.kind FROM entry_subjects s JOIN entries e ON e.idx = s.idx "
-                f"WHERE s.digest IN ({placeholders(len(names))})"
-            )
-            for key, kind in db.fetch(sql, list(names)):
+            for key, kind in db.naming("s.digest, e.kind", list(names)):
                 found.setdefault(Digest.parse(names[bytes(key)]), set()).add(str(kind))
         return found
 

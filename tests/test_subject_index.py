@@ -1,0 +1,146 @@
+"""The subject index on SQLite, kept as a log-structured merge (vault.ledger.subject_index),
+through a real server with runs of 64 rows: look-ups, batch look-ups and the log filtered by
+digest find every entry naming a digest while its rows move from the recent table into sorted
+runs on several levels; a run a crash left unnamed is deleted, and a named run that is lost is
+built again from the ledger's own subject rows, when the server next starts."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from contextlib import closing
+from pathlib import Path
+
+from tests.conftest import StartVault
+from vault.errors import Unavailable
+from vault.wire import pinvault_pb2 as pb
+
+FOLD = 64
+ENV = {
+    "PINVAULT_LEDGER_ORIGIN": "subjects.test/ledger",
+    "PINVAULT_LEDGER_SUBJECT_FOLD_ROWS": str(FOLD),
+}
+ENTRIES = 3_000
+BATCH = 100
+STAGE = 500
+# Named, besides its own digest, by every seventh entry: a base image every run names.
+POPULAR = f"sha256:{10**12:064x}"
+
+
+def _digest(n: int) -> str:
+    return f"sha256:{n:064x}"
+
+
+def _subjects(n: int) -> list[str]:
+    return [_digest(n), POPULAR] if n % 7 == 0 else [_digest(n)]
+
+
+def _append_all(server: object, db: Path) -> None:
+    """Every entry, in stages each folded before the next, so that runs fill several levels."""
+    with server.client() as client:  # type: ignore[attr-defined]
+        for start in range(0, ENTRIES, BATCH):
+            if start % STAGE == 0:
+                _folded(db)
+            pins = [
+                pb.PinRequest(
+                    kind="artefact", subjects=_subjects(n), external=True, author="subjects"
+                )
+                for n in range(start, start + BATCH)
+            ]
+            client.ledger.PinBatch(pb.PinBatchRequest(pins=pins))
+
+
+def _index(db: Path) -> tuple[int, list[tuple[str, int, int]]]:
+    """The rows in the recent table, and each named run: its name, level and rows."""
+    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        (recent,) = conn.execute("SELECT count(*) FROM subject_recent").fetchone()
+        runs = conn.execute("SELECT name, level, rows FROM subject_runs ORDER BY level").fetchall()
+    return recent, runs
+
+
+def _folded(db: Path, timeout: float = 60.0) -> tuple[int, list[tuple[str, int, int]]]:
+    """The index once the recent table holds less than a run's rows."""
+    deadline = time.monotonic() + timeout
+    while True:
+        recent, runs = _index(db)
+        if recent < FOLD:
+            return recent, runs
+        assert time.monotonic() < deadline, f"{recent} recent rows were never folded"
+        time.sleep(0.1)
+
+
+def _check_lookups(server: object) -> None:
+    every_seventh = list(range(0, ENTRIES, 7))
+    with server.client() as client:  # type: ignore[attr-defined]
+        assert [e.entry.index for e in client.lookup(POPULAR)] == every_seventh
+        wanted = [_digest(n) for n in range(0, ENTRIES, 97)] + [_digest(ENTRIES + 5)]
+        found = client.lookup_many(wanted)
+        for n in range(0, ENTRIES, 97):
+            assert [e.entry.index for e in found[_digest(n)]] == [n]
+        assert found[_digest(ENTRIES + 5)] == []
+        logged = client.log(start=1_000, limit=5, digest=POPULAR)
+        assert [e.index for e in logged] == [n for n in every_seventh if n >= 1_000][:5]
+
+
+def test_look_ups_find_every_entry_while_the_index_folds_into_runs(
+    start_vault: StartVault,
+) -> None:
+    server = start_vault("folds", env=ENV)
+    db = server.data_dir / "vault.db"
+    _append_all(server, db)
+    recent, runs = _folded(db)
+    subject_rows = ENTRIES + len(range(0, ENTRIES, 7))
+    # Every row is in exactly one place, and the runs fill more than one level.
+    assert recent + sum(rows for _, _, rows in runs) == subject_rows
+    assert len({level for _, level, _ in runs}) >= 2, runs
+    on_disk = sorted(p.name for p in (server.data_dir / "vault.db.subjects").iterdir())
+    assert on_disk == sorted(name for name, _, _ in runs)
+    _check_lookups(server)
+    verified = server.run("verify")
+    assert verified.returncode == 0, verified.describe()
+
+
+def test_a_run_left_unnamed_is_deleted_and_a_lost_run_is_built_again(
+    start_vault: StartVault,
+) -> None:
+    server = start_vault("lost", env=ENV)
+    db = server.data_dir / "vault.db"
+    runs_dir = server.data_dir / "vault.db.subjects"
+    _append_all(server, db)
+    _, runs = _folded(db)
+    assert server.stop() == 0
+
+    # A fold that a crash cut short, and a run lost from the disk.
+    (runs_dir / "run-000000999999.db").write_bytes(b"half a run")
+    lost = runs[-1][0]
+    (runs_dir / lost).unlink()
+
+    again = start_vault("lost-again", data_dir=server.data_dir, env=ENV)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            _check_lookups(again)
+            break
+        except Unavailable:
+            # Look-ups say the index is being built again until it is.
+            assert time.monotonic() < deadline, "the lost run was never built again"
+            time.sleep(0.2)
+    names = {p.name for p in runs_dir.iterdir()}
+    assert "run-000000999999.db" not in names and lost not in names
+    assert names == {name for name, _, _ in _index(db)[1]}
+    assert "building them again from the ledger's subject rows" in again.log()
+
+
+def test_the_subject_rows_are_kept_in_append_order_beside_the_index(
+    start_vault: StartVault,
+) -> None:
+    """entry_subjects, which `vault verify` checks against every entry, is keyed by index
+    first: an append adds to its end however large it is."""
+    server = start_vault("layout", env=ENV)
+    with server.client() as client:
+        client.pin("config", [_digest(2), _digest(1)], external=True)
+    with closing(sqlite3.connect(f"file:{server.data_dir / 'vault.db'}?mode=ro", uri=True)) as c:
+        key = [row[2] for row in c.execute("PRAGMA index_info(sqlite_autoindex_entry_subjects_1)")]
+        rows = c.execute("SELECT idx, digest FROM entry_subjects").fetchall()
+    assert key == ["idx", "digest"]
+    assert [(i, d.hex()) for i, d in rows] == [(0, f"{1:064x}"), (0, f"{2:064x}")]
