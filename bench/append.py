@@ -91,6 +91,7 @@ def log_copied_back(path: Path) -> Iterator[None]:
 
 
 INSERT_SUBJECTS = "INSERT INTO entry_subjects (digest, idx) VALUES (?, ?)"
+INSERT_RECENT = "INSERT INTO subject_recent (digest, idx) VALUES (?, ?)"
 
 
 @dataclass
@@ -124,16 +125,18 @@ def write_batch(
     batch: Batch,
     index_subjects: Callable[[list[tuple[bytes, int]]], object] | None = None,
 ) -> None:
-    """One commit of the batch: its entries, its subject rows (into entry_subjects, or by
-    `index_subjects`), and the head moved past them, as an append writes them."""
+    """One commit of the batch: its entries, its subject rows (into entry_subjects, in append
+    order, and into the subject index's recent rows, or by `index_subjects`), and the head moved
+    past them, as an append writes them."""
     conn.execute("BEGIN IMMEDIATE")
     conn.executemany(
         "INSERT INTO entries (idx, body, leaf_hash, kind, author, time, external) "
         "VALUES (?, ?, ?, ?, ?, ?, ?)",
         batch.rows,
     )
+    conn.executemany(INSERT_SUBJECTS, batch.subjects)
     if index_subjects is None:
-        conn.executemany(INSERT_SUBJECTS, batch.subjects)
+        conn.executemany(INSERT_RECENT, batch.subjects)
     else:
         index_subjects(batch.subjects)
     conn.execute("UPDATE ledger_head SET size = ?, last_leaf = ? WHERE id = 1", batch.head)
