@@ -13,6 +13,10 @@ from pathlib import Path
 
 from tests.conftest import StartVault
 from vault.errors import Unavailable
+from vault.ledger.checkpoint import SigningKey
+from vault.ledger.db import open_database
+from vault.ledger.log import Ledger
+from vault.ledger.records import LogFilter, PinSpec
 from vault.wire import pinvault_pb2 as pb
 
 FOLD = 64
@@ -144,3 +148,43 @@ def test_the_subject_rows_are_kept_in_append_order_beside_the_index(
         rows = c.execute("SELECT idx, digest FROM entry_subjects").fetchall()
     assert key == ["idx", "digest"]
     assert [(i, d.hex()) for i, d in rows] == [(0, f"{1:064x}"), (0, f"{2:064x}")]
+
+
+def test_rows_a_cut_short_fold_left_behind_are_read_once_and_deleted_by_the_next(
+    tmp_path: Path,
+) -> None:
+    """A fold's recent rows leave in several transactions after its run is named; a crash
+    between them leaves rows that are in a run too. Look-ups read each entry once meanwhile,
+    and the next fold deletes them rather than folding them again."""
+    db = open_database(f"sqlite:///{tmp_path / 'vault.db'}")
+    key = SigningKey.generate("subjects.test/ledger")
+    ledger = Ledger(db, key, origin="subjects.test/ledger", fold_rows=FOLD)
+    try:
+        ledger.append([_pin(n) for n in range(200)])
+        recent, runs = _folded(tmp_path / "vault.db")
+        assert runs and recent < FOLD
+        with closing(sqlite3.connect(tmp_path / "vault.db")) as conn, conn:
+            # As if the deletes after the last fold had not happened.
+            conn.executemany(
+                "INSERT INTO subject_recent (digest, idx) VALUES (?, ?)",
+                conn.execute("SELECT digest, idx FROM entry_subjects WHERE idx < 100").fetchall(),
+            )
+        for n in (0, 99, 150):
+            assert [e.index for e in ledger.entries_naming(_digest(n))] == [n]
+        assert [e.index for e in ledger.log(0, 10, LogFilter(digest=_digest(5)))] == [5]
+
+        ledger.append([_pin(n) for n in range(200, 300)])
+        deadline = time.monotonic() + 60
+        while _index(tmp_path / "vault.db")[0] >= FOLD:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        recent, runs = _index(tmp_path / "vault.db")
+        assert recent + sum(rows for _, _, rows in runs) == 300
+        assert [e.index for e in ledger.entries_naming(_digest(50))] == [50]
+    finally:
+        ledger.close()
+        db.dispose()
+
+
+def _pin(n: int) -> PinSpec:
+    return PinSpec.checked(kind="config", subjects=[_digest(n)], author="tester", external=True)

@@ -12,11 +12,11 @@ on SQLite the index is a log-structured merge, as LevelDB and RocksDB keep their
   writer (`Folds`) folds them into an immutable sorted run: a SQLite file of its own in a
   folder beside the database (`<database>.subjects/`), written by one sorted merge with the
   runs of the levels it fills (each level holds up to FANOUT times the one above), without
-  the ledger's write lock. One
-  short transaction then names the new run in `subject_runs`, forgets the runs it replaced and
-  deletes the rows it took from `subject_recent`. A crash before that transaction leaves a
-  file no run names, which the writer deletes when it next starts; a named run found missing
-  is built again from `entry_subjects`.
+  the ledger's write lock. One short transaction then names the new run in `subject_runs` and
+  forgets the runs it replaced, and the rows it took leave `subject_recent` a few thousand a
+  transaction (a look-up that meanwhile finds a row twice reads it as once). A crash before
+  that transaction leaves a file no run names, which the writer deletes when it next starts;
+  a named run found missing is built again from `entry_subjects`.
 - a look-up (`SubjectIndex`) reads `subject_recent` and `subject_runs` in one snapshot and
   probes each named run (a handful: one a level).
 
@@ -50,6 +50,8 @@ FOLD_ROWS: Final = 65_536
 FANOUT: Final = 8
 # How often the fold thread counts `subject_recent` while appends go on.
 FOLD_CHECK_EVERY: Final = 1.0
+# Recent rows a transaction deletes once they are in a run.
+_FORGET_BATCH: Final = 8_192
 # A look-up whose runs were replaced while it read them reads the new ones, this many times.
 _ATTEMPTS: Final = 4
 
@@ -194,15 +196,19 @@ class Folds:
     def _run(self) -> None:
         conn = sqlite3.connect(self._database, timeout=30, isolation_level=None)
         try:
-            conn.execute("PRAGMA synchronous=FULL")
             self._tidy(conn)
             while not self._stopping.is_set():
                 self._due.wait()
                 self._due.clear()
-                while not self._stopping.is_set() and self.fold(conn):
-                    pass
+                try:
+                    while not self._stopping.is_set() and self.fold(conn):
+                        pass
+                except (sqlite3.Error, OSError) as exc:
+                    # A full disk, say: the rows stay in the recent table for the next try.
+                    if not self._stopping.is_set():
+                        log.warning("a fold of the subject index failed (tried again): %s", exc)
                 self._stopping.wait(FOLD_CHECK_EVERY)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             if not self._stopping.is_set():
                 log.error("the subject index's folds stopped: %s", exc)
         finally:
@@ -229,16 +235,22 @@ class Folds:
             self.rebuild(conn, max(named.values()))
 
     def fold(self, conn: sqlite3.Connection) -> bool:
-        """Fold `subject_recent` into a run if it holds the rows of one; whether it did."""
+        """Fold `subject_recent` into a run if it holds the rows of one; whether it did.
+
+        The rows taken are those past the newest run (`floor`): rows at or below it are already
+        in a run, left behind by a fold whose deletes a crash cut short, and deleted now."""
         conn.execute("BEGIN")
         try:
-            ((count, top),) = conn.execute("SELECT count(*), max(idx) FROM subject_recent")
-            runs = conn.execute("SELECT name, level, rows FROM subject_runs").fetchall()
+            runs = conn.execute("SELECT name, level, rows, last_idx FROM subject_runs").fetchall()
+            floor = max((int(last) for *_, last in runs), default=-1)
+            ((count, top),) = conn.execute(
+                "SELECT count(*), max(idx) FROM subject_recent WHERE idx > ?", (floor,)
+            )
         finally:
             conn.execute("COMMIT")
         if count < self._fold_rows:
             return False
-        levels = {int(level): (str(name), int(rows)) for name, level, rows in runs}
+        levels = {int(level): (str(name), int(rows)) for name, level, rows, _ in runs}
         # The first level that can take the rows above it, or a new one below the last.
         depth, rows = 1, int(count)
         while depth in levels and rows + levels[depth][1] > self._fold_rows * FANOUT**depth:
@@ -247,10 +259,11 @@ class Folds:
         taken = [levels[level][0] for level in range(1, depth + 1) if level in levels]
         rows += levels[depth][1] if depth in levels else 0
         name = f"run-{top + 1:012d}.db"
-        sources = ["SELECT digest, idx FROM m.subject_recent WHERE idx <= :top"]
+        sources = ["SELECT digest, idx FROM m.subject_recent WHERE idx > :floor AND idx <= :top"]
         sources += [f"SELECT digest, idx FROM t{i}.run" for i in range(len(taken))]
-        self._build(name, sources, taken, {"top": top}, rows)
-        self._install(conn, name, depth, rows, top, replaced=taken, recent_to=top)
+        self._build(name, sources, taken, {"floor": floor, "top": top}, rows)
+        self._install(conn, name, depth, rows, top, replaced=taken)
+        self._forget_recent(conn, top)
         return True
 
     def rebuild(self, conn: sqlite3.Connection, top: int) -> None:
@@ -265,7 +278,7 @@ class Folds:
         name = f"run-{top + 1:012d}-rebuilt.db"
         source = "SELECT digest, idx FROM m.entry_subjects WHERE idx <= :top"
         self._build(name, [source], [], {"top": top}, int(rows))
-        self._install(conn, name, int(level), int(rows), top, replaced=replaced, recent_to=None)
+        self._install(conn, name, int(level), int(rows), top, replaced=replaced)
 
     def _build(
         self,
@@ -322,14 +335,12 @@ class Folds:
         top: int,
         *,
         replaced: Sequence[str],
-        recent_to: int | None,
     ) -> None:
-        """Name run `name` in place of `replaced`, and delete the rows it took from
-        `subject_recent` (up to entry `recent_to`), in one short transaction."""
+        """Name run `name` in place of `replaced`, in one short transaction, durable before
+        the replaced files are deleted."""
+        conn.execute("PRAGMA synchronous=FULL")
         conn.execute("BEGIN IMMEDIATE")
         try:
-            if recent_to is not None:
-                conn.execute("DELETE FROM subject_recent WHERE idx <= ?", (recent_to,))
             conn.executemany("DELETE FROM subject_runs WHERE name = ?", [(n,) for n in replaced])
             conn.execute(
                 "INSERT INTO subject_runs (name, level, rows, last_idx) VALUES (?, ?, ?, ?)",
@@ -344,3 +355,25 @@ class Folds:
         for old in replaced:
             (self._folder / old).unlink(missing_ok=True)
         log.info("subject index: %d rows in run %s at level %d", rows, name, level)
+
+    def _forget_recent(self, conn: sqlite3.Connection, top: int) -> None:
+        """Delete the recent rows up to entry `top`, now in a run, a few thousand a
+        transaction, so that no append waits long for the write lock. Until they are gone a
+        look-up finds them twice, which it reads as once. Not synced one by one: a crash that
+        loses some leaves rows the next fold deletes."""
+        conn.execute("PRAGMA synchronous=NORMAL")
+        while not self._stopping.is_set():
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                gone = conn.execute(
+                    "DELETE FROM subject_recent WHERE (digest, idx) IN (SELECT digest, idx "
+                    f"FROM subject_recent WHERE idx <= ? LIMIT {_FORGET_BATCH})",
+                    (top,),
+                ).rowcount
+                conn.execute("COMMIT")
+            except BaseException:
+                with suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+                raise
+            if gone < _FORGET_BATCH:
+                return
