@@ -387,7 +387,9 @@ class Engine:
 
     def disk_bytes(self) -> int:
         if self.url is None:
-            return sum(p.stat().st_size for p in self.data_dir.glob("vault.db*") if p.is_file())
+            # The database's files and its subject index's runs beside it.
+            files = [f for p in self.data_dir.glob("vault.db*") for f in [p, *p.rglob("*")]]
+            return sum(f.stat().st_size for f in files if f.is_file())
         engine = sa.create_engine(self.url)
         try:
             with engine.connect() as conn:

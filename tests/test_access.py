@@ -200,7 +200,14 @@ def test_secrets_never_show_in_logs_errors_or_the_database(vault: Vault) -> None
     shown = vault.server.run("token", "list", env=admin)
     listed = vault.server.run("token", "list", "--json", env=admin).ok().json()
     assert [(t["name"], t["revoked"] != "") for t in listed] == [("root", False), ("alice", True)]
-    stored = b"".join(p.read_bytes() for p in vault.server.data_dir.glob("vault.db*"))
+    # The database's files, and its subject index's runs beside it.
+    files = [
+        f
+        for p in vault.server.data_dir.glob("vault.db*")
+        for f in [p, *p.rglob("*")]
+        if f.is_file()
+    ]
+    stored = b"".join(f.read_bytes() for f in files)
     for secret in vault.secrets:
         hidden = secret.rpartition("_")[2]
         assert hidden not in str(caught.value)

@@ -90,7 +90,11 @@ def test_a_vault_that_rolled_back_is_refused(start_vault: StartVault, tmp_path: 
     server.stop()
     backup = tmp_path / "backup"
     backup.mkdir()
-    saved = [shutil.copy2(p, backup) for p in server.data_dir.glob("vault.db*")]
+    # The database's files and its subject index's runs, as a backup of them holds them.
+    saved = [
+        shutil.copytree(p, backup / p.name) if p.is_dir() else shutil.copy2(p, backup)
+        for p in server.data_dir.glob("vault.db*")
+    ]
     assert saved
 
     server.restart()
@@ -100,9 +104,8 @@ def test_a_vault_that_rolled_back_is_refused(start_vault: StartVault, tmp_path: 
 
     server.stop()
     for path in server.data_dir.glob("vault.db*"):
-        path.unlink()
-    for path in backup.iterdir():
-        shutil.copy2(path, server.data_dir)
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    shutil.copytree(backup, server.data_dir, dirs_exist_ok=True)
     server.restart()
 
     for command in (["lookup", blob], ["checkpoint"]):
