@@ -50,6 +50,9 @@ FOLD_ROWS: Final = 65_536
 FANOUT: Final = 8
 # How often the fold thread counts `subject_recent` while appends go on.
 FOLD_CHECK_EVERY: Final = 1.0
+# A look-up's connection to a run maps up to this much of it, and caches this much of its own.
+_RUN_MAP: Final = 1 << 32
+_RUN_CACHE_KIB: Final = 64
 # Recent rows a transaction deletes once they are in a run.
 _FORGET_BATCH: Final = 8_192
 # A look-up whose runs were replaced while it read them reads the new ones, this many times.
@@ -90,7 +93,12 @@ def _uri(path: Path | str, **options: str) -> str:
 
 def _open_run(path: Path) -> sqlite3.Connection:
     # immutable: a run is never written once named, so no lock is taken and no change looked for.
-    return sqlite3.connect(_uri(path, mode="ro", immutable="1"), uri=True, check_same_thread=False)
+    conn = sqlite3.connect(_uri(path, mode="ro", immutable="1"), uri=True)
+    # Every server thread keeps a connection to each run: its pages are read through a shared
+    # mapping of the file (the OS page cache), not copied into a cache of each connection's.
+    conn.execute(f"PRAGMA mmap_size={_RUN_MAP}")
+    conn.execute(f"PRAGMA cache_size=-{_RUN_CACHE_KIB}")
+    return conn
 
 
 class _Gone(Exception):
