@@ -188,3 +188,28 @@ def test_rows_a_cut_short_fold_left_behind_are_read_once_and_deleted_by_the_next
 
 def _pin(n: int) -> PinSpec:
     return PinSpec.checked(kind="config", subjects=[_digest(n)], author="tester", external=True)
+
+
+def test_a_run_that_points_at_the_wrong_entries_cannot_make_them_name_a_digest(
+    start_vault: StartVault,
+) -> None:
+    """The runs are files on the server's disk. One changed to say that entries name a digest
+    they do not is not believed: a look-up returns only entries whose own subject rows name it."""
+    server = start_vault("forged", env=ENV)
+    db = server.data_dir / "vault.db"
+    _append_all(server, db)
+    _, runs = _folded(db)
+    assert server.stop() == 0
+    forged = server.data_dir / "vault.db.subjects" / runs[-1][0]
+    with closing(sqlite3.connect(forged)) as conn, conn:
+        conn.executemany(
+            "INSERT INTO run (digest, idx) VALUES (?, ?)",
+            [(bytes.fromhex(POPULAR[7:]), n) for n in (1, 2, 3)],
+        )
+
+    again = start_vault("forged-again", data_dir=server.data_dir, env=ENV)
+    with again.client() as client:
+        # What the server answers, before the client checks each entry names the digest.
+        answer = client.ledger.Lookup(pb.LookupRequest(digest=POPULAR))
+        assert [e.entry.index for e in answer.entries] == list(range(0, ENTRIES, 7))
+    _check_lookups(again)
