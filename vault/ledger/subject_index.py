@@ -31,6 +31,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
@@ -269,8 +270,9 @@ class Folds:
         name = f"run-{top + 1:012d}.db"
         sources = ["SELECT digest, idx FROM m.subject_recent WHERE idx > :floor AND idx <= :top"]
         sources += [f"SELECT digest, idx FROM t{i}.run" for i in range(len(taken))]
+        began = time.monotonic()
         self._build(name, sources, taken, {"floor": floor, "top": top}, rows)
-        self._install(conn, name, depth, rows, top, replaced=taken)
+        self._install(conn, name, depth, rows, top, replaced=taken, began=began)
         self._forget_recent(conn, top)
         return True
 
@@ -285,8 +287,9 @@ class Folds:
             conn.execute("COMMIT")
         name = f"run-{top + 1:012d}-rebuilt.db"
         source = "SELECT digest, idx FROM m.entry_subjects WHERE idx <= :top"
+        began = time.monotonic()
         self._build(name, [source], [], {"top": top}, int(rows))
-        self._install(conn, name, int(level), int(rows), top, replaced=replaced)
+        self._install(conn, name, int(level), int(rows), top, replaced=replaced, began=began)
 
     def _build(
         self,
@@ -343,9 +346,10 @@ class Folds:
         top: int,
         *,
         replaced: Sequence[str],
+        began: float,
     ) -> None:
         """Name run `name` in place of `replaced`, in one short transaction, durable before
-        the replaced files are deleted."""
+        the replaced files are deleted (the fold `began` then, by the monotonic clock)."""
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -362,7 +366,13 @@ class Folds:
             raise
         for old in replaced:
             (self._folder / old).unlink(missing_ok=True)
-        log.info("subject index: %d rows in run %s at level %d", rows, name, level)
+        log.info(
+            "subject index: %d rows in run %s at level %d (%.1f s)",
+            rows,
+            name,
+            level,
+            time.monotonic() - began,
+        )
 
     def _forget_recent(self, conn: sqlite3.Connection, top: int) -> None:
         """Delete the recent rows up to entry `top`, now in a run, a few thousand a
