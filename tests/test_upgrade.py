@@ -6,7 +6,9 @@ tests/data/ledger-schema-N.tar.gz is the data folder of a real `vault serve` of 
 schema N, stopped cleanly: 3 blobs, 306 entries (blobs pinned alone and together, an external
 image, an external BLAKE3 digest, 300 configs), a signed checkpoint of every size that a client
 asked for, and the tiles of the last one. Schema 3 (pinvault 0.1.0) keyed the subject index by
-digest text; schema 4 by raw digests, with the entries in a table beside an index of `idx`."""
+digest text; schema 4 by raw digests, with the entries in a table beside an index of `idx`;
+schema 5 keyed the entries by `idx` and kept the subject index as one B-tree of raw digests,
+which schema 6 keeps in append order beside a log-structured index of sorted runs."""
 
 from __future__ import annotations
 
@@ -132,6 +134,13 @@ def test_a_vault_of_an_earlier_release_is_upgraded_and_verifies(
     assert {len(k) for k, _ in keyed} == {32, 33}
     # Each entry's index is now the entries table's own key (SQLite's rowid).
     assert _stored_as(db) == ({bytes}, "INTEGER")
+    # The subject rows are kept in append order, and every one of them is in the subject
+    # index (its recent rows: fewer than a sorted run's).
+    with closing(sqlite3.connect(db)) as conn:
+        key = [r[2] for r in conn.execute("PRAGMA index_info(sqlite_autoindex_entry_subjects_1)")]
+        recent = conn.execute("SELECT digest, idx FROM subject_recent").fetchall()
+    assert key == ["idx", "digest"]
+    assert sorted((bytes(k), i) for k, i in recent) == keyed
     # The guards moved with the rows: history is still refused a rewrite, however asked.
     with closing(sqlite3.connect(db)) as conn:
         for statement in (
