@@ -1,8 +1,8 @@
 """The subject index on SQLite, kept as a log-structured merge (vault.ledger.subject_index),
 through a real server with runs of 64 rows: look-ups, batch look-ups and the log filtered by
 digest find every entry naming a digest while its rows move from the recent table into sorted
-runs on several levels; a run a crash left unnamed is deleted, and a named run that is lost is
-built again from the ledger's own subject rows, when the server next starts."""
+runs on several levels; a run a crash left unnamed is deleted, and a named run that is lost or
+damaged is built again from the ledger's own subject rows, when the server next starts."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def test_look_ups_find_every_entry_while_the_index_folds_into_runs(
     assert verified.returncode == 0, verified.describe()
 
 
-def test_a_run_left_unnamed_is_deleted_and_a_lost_run_is_built_again(
+def test_a_run_left_unnamed_is_deleted_and_lost_or_damaged_runs_are_built_again(
     start_vault: StartVault,
 ) -> None:
     server = start_vault("lost", env=ENV)
@@ -114,10 +114,14 @@ def test_a_run_left_unnamed_is_deleted_and_a_lost_run_is_built_again(
     _, runs = _folded(db)
     assert server.stop() == 0
 
-    # A fold that a crash cut short, and a run lost from the disk.
+    # A fold that a crash cut short, a run lost from the disk and one that lost rows.
     (runs_dir / "run-000000999999.db").write_bytes(b"half a run")
+    assert len(runs) >= 2, runs
     lost = runs[-1][0]
     (runs_dir / lost).unlink()
+    damaged = runs[0][0]
+    with closing(sqlite3.connect(runs_dir / damaged)) as conn, conn:
+        conn.execute("DELETE FROM run WHERE idx % 2 = 0")
 
     again = start_vault("lost-again", data_dir=server.data_dir, env=ENV)
     deadline = time.monotonic() + 60
@@ -130,9 +134,10 @@ def test_a_run_left_unnamed_is_deleted_and_a_lost_run_is_built_again(
             assert time.monotonic() < deadline, "the lost run was never built again"
             time.sleep(0.2)
     names = {p.name for p in runs_dir.iterdir()}
-    assert "run-000000999999.db" not in names and lost not in names
+    assert "run-000000999999.db" not in names and lost not in names and damaged not in names
     assert names == {name for name, _, _ in _index(db)[1]}
     assert "building them again from the ledger's subject rows" in again.log()
+    assert lost in again.log() and damaged in again.log()
 
 
 def test_the_subject_rows_are_kept_in_append_order_beside_the_index(
@@ -202,6 +207,12 @@ def test_a_run_that_points_at_the_wrong_entries_cannot_make_them_name_a_digest(
     assert server.stop() == 0
     forged = server.data_dir / "vault.db.subjects" / runs[-1][0]
     with closing(sqlite3.connect(forged)) as conn, conn:
+        # As many rows as it had (a run whose count is off is built again at the start), three
+        # of them now saying that entries 1, 2 and 3 name the popular digest.
+        conn.execute(
+            "DELETE FROM run WHERE (digest, idx) IN (SELECT digest, idx FROM run "
+            "WHERE idx % 97 != 0 AND idx % 7 != 0 LIMIT 3)"
+        )
         conn.executemany(
             "INSERT INTO run (digest, idx) VALUES (?, ?)",
             [(bytes.fromhex(POPULAR[7:]), n) for n in (1, 2, 3)],
@@ -213,3 +224,6 @@ def test_a_run_that_points_at_the_wrong_entries_cannot_make_them_name_a_digest(
         answer = client.ledger.Lookup(pb.LookupRequest(digest=POPULAR))
         assert [e.entry.index for e in answer.entries] == list(range(0, ENTRIES, 7))
     _check_lookups(again)
+    # Those look-ups read the changed run: its count was right, so it was not built again.
+    assert "building them again" not in again.log()
+    assert forged.exists()

@@ -33,7 +33,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Sequence
-from contextlib import suppress
+from contextlib import closing, suppress
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import quote
@@ -225,23 +225,37 @@ class Folds:
 
     def _tidy(self, conn: sqlite3.Connection) -> None:
         """Delete the files no run names (a fold a crash cut short); build the index's runs
-        again from `entry_subjects` if one it names is missing."""
+        again from `entry_subjects` if one it names is missing, unreadable or holds other than
+        its number of rows."""
         self._folder.mkdir(exist_ok=True)
         named = {
-            str(name): int(last)
-            for name, last in conn.execute("SELECT name, last_idx FROM subject_runs")
+            str(name): (int(last), int(rows))
+            for name, last, rows in conn.execute("SELECT name, last_idx, rows FROM subject_runs")
         }
         present = set(os.listdir(self._folder))
         for name in present - set(named):
             (self._folder / name).unlink()
-        missing = sorted(set(named) - present)
-        if missing:
+        broken = sorted(
+            name
+            for name, (_, rows) in named.items()
+            if name not in present or self._rows_in(name) != rows
+        )
+        if broken:
             log.warning(
-                "the subject index's runs %s are missing: building them again from the "
-                "ledger's subject rows",
-                ", ".join(missing),
+                "the subject index's runs %s are missing or damaged: building them again from "
+                "the ledger's subject rows",
+                ", ".join(broken),
             )
-            self.rebuild(conn, max(named.values()))
+            self.rebuild(conn, max(last for last, _ in named.values()))
+
+    def _rows_in(self, name: str) -> int | None:
+        """The rows run `name` holds; None for a file SQLite cannot read as a run."""
+        try:
+            with closing(_open_run(self._folder / name)) as run:
+                ((count,),) = run.execute("SELECT count(*) FROM run").fetchall()
+        except sqlite3.DatabaseError:
+            return None
+        return int(count)
 
     def fold(self, conn: sqlite3.Connection) -> bool:
         """Fold `subject_recent` into a run if it holds the rows of one; whether it did.
