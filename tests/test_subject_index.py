@@ -11,6 +11,8 @@ import time
 from contextlib import closing
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import StartVault
 from vault.errors import Unavailable
 from vault.ledger.checkpoint import SigningKey
@@ -227,3 +229,20 @@ def test_a_run_that_points_at_the_wrong_entries_cannot_make_them_name_a_digest(
     # Those look-ups read the changed run: its count was right, so it was not built again.
     assert "building them again" not in again.log()
     assert forged.exists()
+
+
+def test_a_run_damaged_under_a_running_server_is_reported_not_read(
+    start_vault: StartVault,
+) -> None:
+    """A run whose file is overwritten while the server runs: a look-up that needs it answers
+    UNAVAILABLE naming the run, not a traceback or a partial answer."""
+    server = start_vault("damaged", env=ENV)
+    db = server.data_dir / "vault.db"
+    _append_all(server, db)
+    _, runs = _folded(db)
+    name = runs[-1][0]
+    run = server.data_dir / "vault.db.subjects" / name
+    run.write_bytes(bytes(run.stat().st_size))
+    unreadable = f"the subject index's run {name} cannot be read"
+    with server.client() as client, pytest.raises(Unavailable, match=unreadable):
+        client.lookup(POPULAR)

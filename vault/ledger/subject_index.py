@@ -135,6 +135,11 @@ class SubjectIndex:
                     found += [index for (index,) in self._run(name).execute(run_sql, keys)]
             except _Gone:
                 continue
+            except sqlite3.DatabaseError as exc:
+                raise Unavailable(
+                    f"the subject index's run {name} cannot be read ({exc}): the ledger's "
+                    "writer builds a damaged run again when the server next starts"
+                ) from None
             self._forget_others(names)
             found = sorted(set(found))
             return found if limit is None else found[:limit]
