@@ -29,7 +29,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from bench.append import (
     ledger_batches,
@@ -38,7 +37,7 @@ from bench.append import (
     write_batch,
 )
 from vault.ledger.db import WAL_BACKSTOP_PAGES, open_database
-from vault.ledger.subject_index import Folds, SubjectIndex
+from vault.ledger.subject_index import Folds
 
 SIZES = {"10k": 10_000, "100k": 100_000, "1M": 1_000_000, "3M": 3_000_000, "10M": 10_000_000}
 LOOKUPS = 2_000
@@ -100,30 +99,23 @@ class Vaults(Layout):
     def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
         super().__init__(conn, path)
         self.folds = Folds(str(path))
-        self.reader = sqlite_connection(path)
-        self.index = SubjectIndex(self._snapshot, str(path))
-
-    def _snapshot(self, queries: Sequence[tuple[str, Sequence[Any]]]) -> list[list[Any]]:
-        self.reader.execute("BEGIN")
-        try:
-            return [self.reader.execute(sql, params).fetchall() for sql, params in queries]
-        finally:
-            self.reader.execute("COMMIT")
+        # Look-ups as a server reads them: the database's own subject index.
+        self.db = open_database(f"sqlite:///{path}")
 
     def insert(self, subjects: Sequence[tuple[bytes, int]]) -> None:
         self.conn.executemany("INSERT INTO subject_recent (digest, idx) VALUES (?, ?)", subjects)
         self.folds.due()
 
     def lookup(self, digest: bytes) -> list[int]:
-        return self.index.indexes([digest])
+        return self.db.subjects.indexes([digest])
 
     def runs(self) -> int:
-        ((count,),) = self.reader.execute("SELECT count(*) FROM subject_runs").fetchall()
+        ((count,),) = self.db.fetch("SELECT count(*) FROM subject_runs")
         return int(count)
 
     def close(self) -> None:
         self.folds.stop()
-        self.reader.close()
+        self.db.dispose()
 
 
 def grow(layout: Layout, sizes: Sequence[int]) -> list[Stretch]:

@@ -7,6 +7,7 @@ damaged is built again from the ledger's own subject rows, when the server next 
 from __future__ import annotations
 
 import sqlite3
+import stat
 import time
 from contextlib import closing
 from pathlib import Path
@@ -99,8 +100,12 @@ def test_look_ups_find_every_entry_while_the_index_folds_into_runs(
     # Every row is in exactly one place, and the runs fill more than one level.
     assert recent + sum(rows for _, _, rows in runs) == subject_rows
     assert len({level for _, level, _ in runs}) >= 2, runs
-    on_disk = sorted(p.name for p in (server.data_dir / "vault.db.subjects").iterdir())
+    folder = server.data_dir / "vault.db.subjects"
+    on_disk = sorted(p.name for p in folder.iterdir())
     assert on_disk == sorted(name for name, _, _ in runs)
+    # Readable by the server's user only, as the database is.
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == {0o600}
     _check_lookups(server)
     verified = server.run("verify")
     assert verified.returncode == 0, verified.describe()

@@ -250,12 +250,12 @@ class Database:
         (raw digest keys), in index order, the first `limit` only if given; `where` adds a
         condition (`AND ...`) with its `params`. On SQLite the subject index gives the entries'
         indexes and the join keeps only those whose rows name one of `keys`."""
+        if not keys:
+            return []
         sql = (
             f"SELECT {columns} FROM entry_subjects s JOIN entries e ON e.idx = s.idx "
             f"WHERE s.digest IN ({placeholders(len(keys))}){where}"
         )
-        if not keys:
-            return []
         if not self.is_sqlite:
             tail = " ORDER BY s.idx" + ("" if limit is None else f" LIMIT {int(limit)}")
             return self.fetch(sql + tail, [*keys, *params])

@@ -32,7 +32,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import closing, suppress
 from pathlib import Path
 from typing import Any, Final
@@ -102,6 +102,10 @@ def _open_run(path: Path) -> sqlite3.Connection:
     return conn
 
 
+# Several queries (`?` placeholders) read in one transaction: each one's rows.
+Snapshot = Callable[[Sequence[tuple[str, Sequence[Any]]]], list[list[tuple[Any, ...]]]]
+
+
 class _Gone(Exception):
     """A run named in the snapshot a look-up read is no longer there (a fold replaced it)."""
 
@@ -110,7 +114,7 @@ class SubjectIndex:
     """The look-up side: the indexes of the entries that name digests. Each thread keeps its
     own connections to the runs it has read."""
 
-    def __init__(self, fetch_snapshot: Any, database: str | None) -> None:
+    def __init__(self, fetch_snapshot: Snapshot, database: str | None) -> None:
         self._snapshot = fetch_snapshot
         self._folder = runs_folder(database) if database is not None else None
         self._local = threading.local()
@@ -232,7 +236,7 @@ class Folds:
         """Delete the files no run names (a fold a crash cut short); build the index's runs
         again from `entry_subjects` if one it names is missing, unreadable or holds other than
         its number of rows."""
-        self._folder.mkdir(exist_ok=True)
+        self._folder.mkdir(mode=0o700, exist_ok=True)
         named = {
             str(name): (int(last), int(rows))
             for name, last, rows in conn.execute("SELECT name, last_idx, rows FROM subject_runs")
