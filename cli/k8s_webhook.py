@@ -9,12 +9,9 @@ admitted (appended) by `vault admit`, as before (deploy/kubernetes/README.md).""
 from __future__ import annotations
 
 import argparse
-import http.server
 import json
 import logging
 import signal
-import socket
-import socketserver
 import ssl
 import threading
 import time
@@ -27,6 +24,7 @@ from cli.warm import Connect, WarmClient
 from vault.config import Config
 from vault.digest import Digest
 from vault.errors import InvalidArgument, Unavailable, VaultError
+from vault.http_edge import Edge, Limits, Request, Response
 from vault.runs.pins import check_input
 
 # The annotation that names a pod's dataset manifest (a Job's: its pod template's).
@@ -36,11 +34,23 @@ HEALTH_PATH: Final = "/healthz"
 # An AdmissionReview holds the object and, on UPDATE, its old version; etcd keeps an object
 # under 1.5 MiB.
 MAX_REQUEST: Final = 4 * 1024 * 1024
-# Each read of a request, and the TLS handshake, within this (the API server's own timeout
-# for a webhook is at most 30 s).
-REQUEST_SECONDS: Final = 10.0
-# Requests answered at once; more wait in the listen queue.
-MAX_CONCURRENT: Final = 32
+# The API server's own timeout for a webhook is at most 30 s: a request's head (the TLS
+# handshake included) and its body each arrive within 10 s, or the connection is closed. The
+# API servers are a few addresses, each keeping many connections; anyone else is kept out by
+# the NetworkPolicy, and callers that drip bytes are evicted by newer connections.
+LIMITS: Final = Limits(
+    head_seconds=10.0,
+    body_seconds=10.0,
+    write_seconds=10.0,
+    work_seconds=25.0,
+    max_body_bytes=MAX_REQUEST,
+    per_address=64,
+    connections=512,
+    # Reviews that ask the vault, at once; more wait in a queue of 256, then get 503.
+    workers=16,
+    queue=256,
+    methods=frozenset({"GET", "HEAD", "POST"}),
+)
 # An input found pinned and intact is not asked about again for this long: a Job's pods carry
 # the same pins, and pins are never taken back.
 CHECKED_SECONDS: Final = 600.0
@@ -116,6 +126,14 @@ class Webhook:
                     images.setdefault(_image_digest(_text(container.get("image"))), who)
                 except InvalidArgument as exc:
                     problems.append(f"{who}: {exc}")
+        # An image volume (spec.volumes[].image) mounts an image's content: pinned as a
+        # container's image is.
+        for name, reference in _image_volumes(pod):
+            who = f"image volume {name!r}"
+            try:
+                images.setdefault(_image_digest(reference), who)
+            except InvalidArgument as exc:
+                problems.append(f"{who}: {exc}")
         dataset = _text(pod["annotations"].get(DATASET_ANNOTATION))
         if not dataset:
             problems.append(
@@ -205,7 +223,17 @@ def _pins(pod: dict[str, Any]) -> tuple[object, ...]:
     images = tuple(
         _text(c.get("image")) for field, _ in _CONTAINER_FIELDS for c in _list(pod["spec"], field)
     )
-    return images, pod["annotations"].get(DATASET_ANNOTATION)
+    return images, tuple(_image_volumes(pod)), pod["annotations"].get(DATASET_ANNOTATION)
+
+
+def _image_volumes(pod: dict[str, Any]) -> list[tuple[str, str]]:
+    """The name and image reference of each image volume of `pod`."""
+    found = []
+    for volume in _list(pod["spec"], "volumes"):
+        if "image" in volume:
+            name = _text(volume.get("name"))
+            found.append((name, _text(_dict(volume, "image").get("reference"))))
+    return found
 
 
 def _image_digest(image: str) -> str:
@@ -250,89 +278,29 @@ def _described(request: dict[str, Any]) -> str:
     return f"{_text(resource.get('kind'))} {where}"
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    server: _Server
-    # Each read (and the TLS handshake, which the first read does) within this.
-    timeout = REQUEST_SECONDS
+class _Answers:
+    """The webhook's HTTP side: AdmissionReviews POSTed to PATH, and the probes' HEALTH_PATH;
+    each runs on one of the edge's worker threads."""
 
-    def do_GET(self) -> None:
-        if urlsplit(self.path).path == HEALTH_PATH:
-            self._send(200, b"ok\n", "text/plain")
-        else:
-            self._refuse(
-                404, f"nothing at {urlsplit(self.path).path}: POST AdmissionReviews to {PATH}"
-            )
-
-    def do_POST(self) -> None:
-        if urlsplit(self.path).path != PATH:
-            self._refuse(
-                404, f"nothing at {urlsplit(self.path).path}: POST AdmissionReviews to {PATH}"
-            )
-            return
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdecimal():
-            self._refuse(411, "the request has no Content-Length")
-            return
-        if int(length) > MAX_REQUEST:
-            self._refuse(413, f"the request is {length} bytes, more than {MAX_REQUEST}")
-            return
-        body = self.rfile.read(int(length))
-        try:
-            answer = self.server.webhook.review(body)
-        except InvalidArgument as exc:
-            log.warning("malformed AdmissionReview from %s: %s", self.client_address[0], exc)
-            self._refuse(400, f"malformed AdmissionReview: {exc}")
-            return
-        self._send(200, json.dumps(answer).encode(), "application/json")
-
-    def _refuse(self, code: int, message: str) -> None:
-        self.close_connection = True
-        self._send(code, (" ".join(message.split()) + "\n").encode(), "text/plain; charset=utf-8")
-
-    def _send(self, code: int, body: bytes, content_type: str) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.client_address[0], format % args)
-
-
-class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    daemon_threads = True
-    request_queue_size = 128
-
-    def __init__(self, address: tuple[str, int], webhook: Webhook, tls: ssl.SSLContext) -> None:
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+    def __init__(self, webhook: Webhook) -> None:
         self.webhook = webhook
-        self.slots = threading.BoundedSemaphore(MAX_CONCURRENT)
-        super().__init__(address, _Handler)
-        # The handshake is done by the request's own thread, under its timeout, so that a
-        # caller that never finishes one holds no more than that thread.
-        self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        # At most MAX_CONCURRENT threads: the next connection waits in the listen queue.
-        self.slots.acquire()
+    def __call__(self, request: Request) -> Response:
+        path = urlsplit(request.target).path
+        if request.method in ("GET", "HEAD") and path == HEALTH_PATH:
+            return Response(200, b"ok\n")
+        if request.method != "POST" or path != PATH:
+            return Response.text(
+                404, f"nothing at {path}: POST AdmissionReviews to {PATH}", close=True
+            )
+        if not request.header("Content-Length"):
+            return Response.text(411, "the request has no Content-Length", close=True)
         try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A failed handshake or a caller that went away: one line, not a traceback.
-        log.warning(
-            "connection from %s failed", client_address[0], exc_info=log.isEnabledFor(logging.DEBUG)
-        )
+            answer = self.webhook.review(request.body)
+        except InvalidArgument as exc:
+            log.warning("malformed AdmissionReview from %s: %s", request.peer, exc)
+            return Response.text(400, f"malformed AdmissionReview: {exc}", close=True)
+        return Response(200, json.dumps(answer).encode(), "application/json")
 
 
 def _address(listen: str) -> tuple[str, int]:
@@ -360,19 +328,23 @@ def _serve(args: argparse.Namespace, config: Config, *, connect: Connect) -> int
     tls = _tls(args.tls_cert, args.tls_key)
     log.setLevel(logging.INFO)
     vault = WarmClient(config, connect)
+    stopped = threading.Event()
     try:
-        with _Server(address, Webhook(vault), tls) as server:
+        edge = Edge(
+            "k8s webhook",
+            _Answers(Webhook(vault)),
+            *address,
+            limits=LIMITS,
+            tls=tls,
+            server="pinvault-webhook",
+        )
+        with edge:
             vault.warm_up()
-
-            def stop(signum: int, frame: object) -> None:
-                # shutdown() waits for serve_forever to return, so not on its own thread.
-                threading.Thread(target=server.shutdown, daemon=True).start()
-
-            signal.signal(signal.SIGTERM, stop)
-            host, port = str(server.server_address[0]), server.server_address[1]
-            shown = f"[{host}]" if ":" in host else host
-            print(f"pinvault k8s webhook on https://{shown}:{port}{PATH}", flush=True)
-            server.serve_forever(poll_interval=0.5)
+            signal.signal(signal.SIGTERM, lambda signum, frame: stopped.set())
+            shown = f"[{address[0]}]" if ":" in address[0] else address[0]
+            print(f"pinvault k8s webhook on https://{shown}:{edge.port}{PATH}", flush=True)
+            while not stopped.wait(0.5):
+                pass
     finally:
         vault.close()
     log.info("k8s webhook stopped")

@@ -15,7 +15,15 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("vault", "tiers", "mirror", "cli")
 
 # Leaf modules every package may use: they import only each other.
-FOUNDATION = ("vault.errors", "vault.digest", "vault.files", "vault.canonical", "vault.config")
+FOUNDATION = (
+    "vault.errors",
+    "vault.digest",
+    "vault.files",
+    "vault.canonical",
+    "vault.config",
+    # The bounded HTTP server under the vault's HTTP endpoints and the Kubernetes webhook.
+    "vault.http_edge",
+)
 # The ledger's storage; the rest of vault.ledger is pure verification on bytes.
 LEDGER_STORAGE = ("vault.ledger.db", "vault.ledger.log", "vault.ledger.tiles")
 # The parts of the content store a client-side caller may use: dataset manifests, the cache of
@@ -202,6 +210,9 @@ def test_the_rules_refuse_what_the_picture_forbids() -> None:
     assert not allowed("tiers.scrub", "vault.server.metrics")
     assert allowed("vault.server.admission", "vault.ledger.log")
     assert allowed("mirror.queue", "tiers.manager")
+    assert allowed("cli.k8s_webhook", "vault.http_edge")
+    assert allowed("vault.server.tiles_http", "vault.http_edge")
+    assert not allowed("vault.http_edge", "vault.server.http_endpoint")
 
 
 def loaded_by(module: str, packages: tuple[str, ...], prefixes: tuple[str, ...]) -> list[str]:

@@ -326,6 +326,34 @@ def test_a_jobs_pod_template_and_init_containers_are_checked(
     assert message.startswith("the pod template of job 'train-job' carries no dataset pin")
 
 
+def test_an_image_volume_is_checked_as_a_containers_image_is(
+    webhook: Webhook, pinned: Pinned
+) -> None:
+    """A Kubernetes image volume mounts an image's files into the pod: by tag or by an
+    unpinned digest it is refused as a container's image is; by a pinned digest, allowed."""
+
+    def with_image_volume(reference: str) -> Any:
+        review = admission_review(
+            str(uuid.uuid4()), pod(by_digest(pinned.image), pinned.dataset), "CREATE", None
+        )
+        review["request"]["object"]["spec"]["volumes"] = [
+            {"name": "weights", "image": {"reference": reference, "pullPolicy": "IfNotPresent"}}
+        ]
+        status, body = webhook.post(json.dumps(review).encode())
+        assert status == 200, body
+        return json.loads(body)["response"]
+
+    assert with_image_volume(by_digest(pinned.image))["allowed"] is True
+    message = refused(with_image_volume("registry.example/models/weights:v3"))
+    assert message.startswith(
+        "image volume 'weights': image 'registry.example/models/weights:v3' is named by tag"
+    ), message
+    message = refused(with_image_volume(by_digest(pinned.unpinned)))
+    assert message.startswith(
+        f"image volume 'weights': FAILED_PRECONDITION: image {pinned.unpinned} is not pinned"
+    ), message
+
+
 def test_the_vault_down_refuses_with_the_reason(start_vault: StartVault, tmp_path: Path) -> None:
     with short_dir("pinvault-k8s-down-") as base:
         own = start_vault("own", listen=f"unix:{base}/vault.sock")
@@ -405,10 +433,16 @@ def test_the_manifest_asks_for_no_side_effects_and_fails_closed() -> None:
     assert (("",), ("pods", "pods/ephemeralcontainers")) in rules
     assert (("batch",), ("jobs",)) in rules
     assert all(set(r["operations"]) == {"CREATE", "UPDATE"} for r in hook["rules"])
-    (exempt,) = hook["namespaceSelector"]["matchExpressions"]
-    assert exempt["key"] == "kubernetes.io/metadata.name" and exempt["operator"] == "NotIn"
-    assert "kube-system" in exempt["values"]
-    # The webhook's own namespace too, or its pods could never start.
-    assert kinds["Deployment"]["metadata"]["namespace"] in exempt["values"]
+    # Namespaces opt in by a label: kube-system and the webhook's own (whose pods could
+    # otherwise never start) are never gated unless someone labels them.
+    assert hook["namespaceSelector"] == {"matchLabels": {"pinvault.dev/enforce": "true"}}
     command = kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert command[:1] == ["k8s-webhook"]
+    # Only the API server may connect: one ingress rule, from an address block, to the port.
+    policy = kinds["NetworkPolicy"]
+    assert policy["metadata"]["namespace"] == kinds["Deployment"]["metadata"]["namespace"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"app": "pinvault-webhook"}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert [list(source) for source in rule["from"]] == [["ipBlock"]]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8443}]

@@ -235,42 +235,28 @@ def test_a_bad_metrics_port_is_refused_in_one_line(tmp_path: Path) -> None:
     assert line.startswith(f"vault: UNAVAILABLE: cannot serve metrics on 127.0.0.1:{port}: "), line
 
 
-def test_callers_who_open_connections_and_send_nothing_hold_only_a_few_threads(
+def test_callers_who_open_connections_and_send_nothing_hold_nothing(
     start_vault: StartVault,
 ) -> None:
     """The metrics endpoint asks nobody who they are: connections that never send a request
-    hold its four threads at most, the next caller is turned away at once with 503 rather than
-    queued or given a thread of its own, and the server still answers its gRPC callers."""
+    hold no thread, a scrape from the same address is answered at once beside them (the oldest
+    silent one makes way for it), and the server still answers its gRPC callers."""
     server = start_vault(serve_args=("--metrics-port", "0"))
     url = metrics_url(server)
     port = int(url.rsplit(":", 1)[1].split("/")[0])
-    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
     try:
-        turned_away = None
-        for _ in range(50):  # the idle ones are taken up as the server accepts them
+        for _ in range(5):
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            started = time.monotonic()
             conn.request("GET", "/metrics")
             response = conn.getresponse()
+            text = response.read()
             conn.close()
-            if response.status == 503:
-                turned_away = response
-                break
-            time.sleep(0.05)
-        assert turned_away is not None and turned_away.getheader("Retry-After") == "1"
+            assert response.status == 200 and b"pinvault_ledger_entries" in text
+            assert time.monotonic() - started < 2
         with server.client() as client:
             assert client.checkpoint().size >= 0
     finally:
         for connection in idle:
             connection.close()
-    # Their threads are free again once they hang up.
-    deadline = time.monotonic() + 10
-    while True:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        conn.request("GET", "/metrics")
-        response = conn.getresponse()
-        text = response.read()
-        conn.close()
-        if response.status == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert response.status == 200 and b"pinvault_ledger_entries" in text

@@ -26,9 +26,10 @@ from vault.errors import (
 from vault.ledger.entry import Entry
 from vault.ledger.log import Ledger
 from vault.ledger.records import StoredEntry
-from vault.server.auth import Authenticator
+from vault.server.auth import Authenticator, Gate
 from vault.server.content import Content
-from vault.server.http_endpoint import NOT_CACHED, Endpoint, ReadOnlyHandler
+from vault.server.failed_credentials import caller_address
+from vault.server.http_endpoint import Endpoint, Limits, Request, Response
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,16 @@ CSP: Final = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
     "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
+
+_PAGE_HEADERS: Final = (
+    ("Content-Security-Policy", CSP),
+    ("Referrer-Policy", "no-referrer"),
+    ("X-Frame-Options", "DENY"),
+    ("Cross-Origin-Resource-Policy", "same-origin"),
+)
+# A browser keeps a few connections open, each costing the edge a coroutine until it is idle
+# past the head deadline (or evicted by a newer one from the same address).
+LIMITS: Final = Limits(workers=4, queue=32, per_address=16, connections=128)
 
 _PAGE_FILES: Final = {
     "/": ("index.html", "text/html; charset=utf-8"),
@@ -77,58 +88,13 @@ def load_page() -> dict[str, tuple[bytes, str]]:
     }
 
 
-class _Handler(ReadOnlyHandler):
-    server_version = "pinvault-explorer"
+def _text(status: int, message: str) -> Response:
+    return Response(status, (message + "\n").encode(), headers=_PAGE_HEADERS)
 
-    def end_headers(self) -> None:
-        # A browser keeps idle connections open, each holding one of the server's few slots
-        # until its read times out; one request a connection leaves the slots to requests.
-        self.send_header("Connection", "close")
-        self.close_connection = True
-        self.send_header("Content-Security-Policy", CSP)
-        self.send_header("Referrer-Policy", "no-referrer")
-        self.send_header("X-Frame-Options", "DENY")
-        self.send_header("Cross-Origin-Resource-Policy", "same-origin")
-        super().end_headers()
 
-    def respond(self, *, body: bool) -> None:
-        explorer = self.server.endpoint
-        assert isinstance(explorer, ExplorerServer)
-        target = self.target()
-        if len(target) > MAX_TARGET:
-            self.answer(414, "request target too long\n", NOT_CACHED, body=body)
-            return
-        if not explorer.host_allowed(self.headers.get_all("Host") or []):
-            self.answer(
-                403, "the explorer answers only to loopback host names\n", NOT_CACHED, body=body
-            )
-            return
-        parts = urlsplit(target)
-        page = explorer.page.get(target)
-        if page is not None:
-            data, content_type = page
-            self.answer(200, data, NOT_CACHED, content_type=content_type, body=body)
-            return
-        if target == "/favicon.ico":
-            # Asked by every browser; the page has none.
-            self.answer(204, b"", NOT_CACHED, body=body)
-            return
-        if not parts.path.startswith("/api/") or target.startswith("//"):
-            self.answer(404, "not found\n", NOT_CACHED, body=body)
-            return
-        try:
-            explorer.authorise(self.headers.get_all("Authorization") or [])
-            query = _query(parts.query)
-            answer = explorer.api(parts.path, query)
-        except VaultError as exc:
-            status = next((code for kind, code in _STATUS if isinstance(exc, kind)), 503)
-            self._json(status, {"error": str(exc)}, body=body)
-            return
-        self._json(200, answer, body=body)
-
-    def _json(self, status: int, value: Any, *, body: bool) -> None:
-        data = json.dumps(value, separators=(",", ":"), ensure_ascii=True).encode()
-        self.answer(status, data, NOT_CACHED, content_type=JSON, body=body)
+def _json(status: int, value: Any) -> Response:
+    data = json.dumps(value, separators=(",", ":"), ensure_ascii=True).encode()
+    return Response(status, data, JSON, headers=_PAGE_HEADERS)
 
 
 def _query(text: str) -> dict[str, str]:
@@ -149,7 +115,6 @@ class ExplorerServer(Endpoint):
     served to anyone."""
 
     what = "explorer"
-    handler = _Handler
 
     def __init__(
         self,
@@ -159,14 +124,38 @@ class ExplorerServer(Endpoint):
         port: int = 0,
         *,
         tokens: Authenticator | None = None,
-        threads: int = 8,
-        timeout: float = 10.0,
+        limits: Limits = LIMITS,
     ) -> None:
-        super().__init__(host, port, threads=threads, timeout=timeout)
+        super().__init__(host, port, limits=limits)
         self.ledger = ledger
         self.content = content
         self.tokens = tokens
         self.page = load_page()
+
+    def respond(self, request: Request) -> Response:
+        target = request.target
+        if len(target) > MAX_TARGET:
+            return _text(414, "request target too long")
+        if not self.host_allowed(request.header("Host")):
+            return _text(403, "the explorer answers only to loopback host names")
+        parts = urlsplit(target)
+        page = self.page.get(target)
+        if page is not None:
+            data, content_type = page
+            return Response(200, data, content_type, headers=_PAGE_HEADERS)
+        if target == "/favicon.ico":
+            # Asked by every browser; the page has none.
+            return Response(204, b"", headers=_PAGE_HEADERS)
+        if not parts.path.startswith("/api/") or target.startswith("//"):
+            return _text(404, "not found")
+        try:
+            self.authorise(request.header("Authorization"), request.peer)
+            query = _query(parts.query)
+            answer = self.api(parts.path, query)
+        except VaultError as exc:
+            status = next((code for kind, code in _STATUS if isinstance(exc, kind)), 503)
+            return _json(status, {"error": str(exc)})
+        return _json(200, answer)
 
     def host_allowed(self, hosts: Sequence[str]) -> bool:
         """Whether the Host a request names is loopback (any port: an SSH tunnel picks its
@@ -180,17 +169,22 @@ class ExplorerServer(Endpoint):
         name = name[: name.find("]") + 1] if name.startswith("[") else name.partition(":")[0]
         return name in _LOOPBACK_NAMES or _IPV4_LOOPBACK.fullmatch(name) is not None
 
-    def authorise(self, headers: Sequence[str]) -> None:
+    def authorise(self, headers: Sequence[str], peer: str = "") -> None:
+        """Refuse an API call without a token whose role may read. The token is checked as
+        the gRPC gate checks it (`Gate.identify`), and a failed one is counted against the
+        caller's address `peer` (an IP address) in the same allowance as its gRPC calls."""
         if self.tokens is None:
             return
         if len(headers) != 1:
-            raise Unauthenticated(
-                "this vault asks for credentials: give a bearer token (`vault token create`)"
+            raise self.tokens.refused(
+                caller_address(peer),
+                Unauthenticated(
+                    "this vault asks for credentials: give a bearer token (`vault token create`)"
+                ),
             )
-        scheme, _, token = headers[0].partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise Unauthenticated("the Authorization header is not 'Bearer <token>'")
-        who = self.tokens.authenticate(token.strip())
+        who = Gate("credentials", self.tokens).identify(
+            [("authorization", headers[0])], {}, address=caller_address(peer)
+        )
         if not who.may("read"):
             raise PermissionDenied(f"{who.name} (role {who.role}) may not read the ledger")
 

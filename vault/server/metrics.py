@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from vault.errors import VaultError
 from vault.server.assembly import manager_of
-from vault.server.http_endpoint import NOT_CACHED, Endpoint, ReadOnlyHandler
+from vault.server.http_endpoint import Endpoint, Limits, Request, Response
 
 if TYPE_CHECKING:
     from tiers.migrate import Migrator
@@ -75,6 +75,11 @@ ADMISSIONS: Final = Counter(
     ["verdict", "reason"],
     registry=None,
 )
+
+# A few scrapers, each every few seconds. The per-address cap is kept well above what they
+# need: a new scrape evicts the oldest waiting connection of its address, so the more there
+# are, the longer a genuine one outlasts callers that drip bytes and reconnect.
+LIMITS: Final = Limits(workers=2, queue=8, per_address=32, connections=128)
 
 ADMITTED: Final = "admitted"
 REFUSED: Final = "refused"
@@ -209,6 +214,11 @@ class VaultCollector(Collector):
             "pinvault_ledger_checkpoint_age_seconds",
             "Seconds since this server first saw the latest checkpoint signed.",
         )
+        counter(
+            "pinvault_ledger_tiles_rewritten",
+            "Tile files (hash tiles, entry bundles, the published checkpoint) found damaged or "
+            "missing on disk and written again from the database.",
+        )
         gauge("pinvault_tier_blobs", "Copies of blobs on each tier.", ["tier"])
         gauge("pinvault_tier_bytes", "Bytes of the copies on each tier.", ["tier"])
         gauge(
@@ -236,6 +246,7 @@ class VaultCollector(Collector):
         size = ledger.size
         _add(families["pinvault_ledger_entries"], size)
         _add(families["pinvault_ledger_appended_entries"], max(size - self._started_size, 0))
+        _add(families["pinvault_ledger_tiles_rewritten"], ledger.tiles_rewritten)
         latest = ledger.latest
         if latest is None:
             return
@@ -316,27 +327,13 @@ def registry_for(sources: Sources) -> CollectorRegistry:
     return registry
 
 
-class _Handler(ReadOnlyHandler):
-    server_version = "pinvault-metrics"
-
-    def respond(self, *, body: bool) -> None:
-        metrics = self.server.endpoint
-        assert isinstance(metrics, MetricsServer)
-        if self.target().partition("?")[0] != metrics.path:
-            self.answer(404, "not found\n", NOT_CACHED, body=body)
-            return
-        # The format the scraper asks for (Prometheus's own negotiation, as its HTTP server does).
-        encode, content_type = choose_encoder(self.headers.get("Accept", ""))
-        self.answer(200, encode(metrics.registry), NOT_CACHED, content_type=content_type, body=body)
-
-
 class MetricsServer(Endpoint):
     """`/metrics` (the Prometheus text format) over HTTP on `host`:`port` (port 0: one the
-    system picks), on the bounded server the tiles use: a few scrapes at once are plenty, and
-    a caller who opens connections and sends nothing holds no more than those threads."""
+    system picks), on the bounded edge the tiles use: a scrape reads the database on one of
+    two worker threads that live as long as the endpoint, and a caller who opens connections
+    and sends nothing holds no thread at all."""
 
     what = "metrics"
-    handler = _Handler
     path = "/metrics"
 
     def __init__(
@@ -345,11 +342,17 @@ class MetricsServer(Endpoint):
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        threads: int = 4,
-        timeout: float = 10.0,
+        limits: Limits = LIMITS,
     ) -> None:
-        super().__init__(host, port, threads=threads, timeout=timeout)
+        super().__init__(host, port, limits=limits)
         self.registry = registry
+
+    def respond(self, request: Request) -> Response:
+        if request.target.partition("?")[0] != self.path:
+            return Response.text(404, "not found")
+        # The format the scraper asks for (Prometheus's own negotiation, as its HTTP server does).
+        encode, content_type = choose_encoder(", ".join(request.header("Accept")))
+        return Response(200, encode(self.registry), content_type)
 
 
 def serve_metrics(sources: Sources, address: tuple[str, int]) -> MetricsServer:

@@ -1,0 +1,504 @@
+"""The one HTTP/1.1 server under every HTTP edge of pinvault (the tiles, metrics and explorer
+endpoints and the Kubernetes webhook), bounded against slow and hostile callers.
+
+Every request has a total deadline for its head (the TLS handshake included), its body and the
+writing of its answer; connections are capped per client address and in all, and a new one at
+its address's cap closes that address's oldest connection still waiting for a request head (an
+idle keep-alive one counts as waiting), so callers that drip bytes can never lock out genuine
+ones, even from the same address. Blocking work (database queries, file reads, calls to the
+vault) runs on a fixed pool of threads made once for the life of the edge, behind a bounded
+queue (beyond it: 503 with Retry-After), so no request costs a thread of its own.
+
+Why not aiohttp or uvicorn: they bound an idle keep-alive connection and each read, not the
+total time of a request head, so a caller sending one byte every few seconds still holds them.
+Here a connection costs a coroutine, not a thread, and h11 parses HTTP/1.1 without doing any I/O,
+so the deadlines are ours."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Final, Self
+
+import h11
+
+from vault.errors import InvalidArgument, Unavailable
+
+log = logging.getLogger(__name__)
+
+TEXT: Final = "text/plain; charset=utf-8"
+NOT_CACHED: Final = "no-store"
+_READ_SIZE: Final = 64 * 1024
+# What a caller turned away at the caps is given, from the event loop, without waiting on it.
+_BUSY: Final = (
+    b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: text/plain\r\n"
+    b"Content-Length: 5\r\nConnection: close\r\n\r\nbusy\n"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one caller may hold of an edge, and for how long."""
+
+    # From a connection's opening (or the end of its last answer, kept alive) to the last byte
+    # of a request head, the TLS handshake included.
+    head_seconds: float = 10.0
+    # From the end of the head to the end of the body.
+    body_seconds: float = 10.0
+    # Writing one answer.
+    write_seconds: float = 30.0
+    # The blocking work of one request; then the caller gets 503 (the thread finishes it).
+    work_seconds: float = 60.0
+    max_head_bytes: int = 16 * 1024
+    # A larger body is refused with 413 before it is read; 0: requests carry no body.
+    max_body_bytes: int = 0
+    per_address: int = 16
+    connections: int = 256
+    # Threads for blocking work, made when the edge starts and kept until it stops.
+    workers: int = 4
+    # Requests waiting for a worker; one more is answered 503 at once.
+    queue: int = 32
+    methods: frozenset[str] = frozenset({"GET", "HEAD"})
+
+    def __post_init__(self) -> None:
+        for name in ("head_seconds", "body_seconds", "write_seconds", "work_seconds"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgument(f"{name} is a positive number, not {getattr(self, name)}")
+        for name in ("max_head_bytes", "per_address", "connections", "workers"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"{name} is at least 1, not {getattr(self, name)}")
+        if self.max_body_bytes < 0 or self.queue < 0:
+            raise InvalidArgument("max_body_bytes and queue are 0 or more")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request as the caller sent it: the target exactly as sent (nothing decoded or
+    normalised), header names in lower case, and the caller's IP address."""
+
+    method: str
+    target: str
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    peer: str
+
+    def header(self, name: str) -> list[str]:
+        """Every value of the header `name` (any case), in the order sent."""
+        wanted = name.lower()
+        return [value for key, value in self.headers if key == wanted]
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    status: int
+    body: bytes = b""
+    content_type: str = TEXT
+    cache: str = NOT_CACHED
+    headers: tuple[tuple[str, str], ...] = ()
+    # End the connection after this answer.
+    close: bool = False
+
+    @classmethod
+    def text(
+        cls,
+        status: int,
+        message: str,
+        *,
+        headers: tuple[tuple[str, str], ...] = (),
+        close: bool = False,
+    ) -> Response:
+        """A one-line plain-text answer."""
+        line = " ".join(message.split()) + "\n"
+        return cls(status, line.encode(), headers=headers, close=close)
+
+
+Handler = Callable[[Request], Response]
+
+
+@dataclass(eq=False, slots=True)
+class _Connection:
+    peer: str
+    task: asyncio.Task[None]
+    transport: asyncio.WriteTransport
+    # Waiting for a request head (a new or an idle keep-alive connection): may be evicted.
+    waiting: bool = True
+    evicted: bool = field(default=False)
+
+
+class Edge:
+    """An HTTP/1.1 server on `host`:`port` (port 0: one the system picks, read back in `port`
+    once started) answering each request with `handler(request)`, run on the edge's worker
+    threads; `what` names it in messages. With `tls`, HTTPS."""
+
+    def __init__(
+        self,
+        what: str,
+        handler: Handler,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        limits: Limits = Limits(),
+        tls: ssl.SSLContext | None = None,
+        server: str = "",
+    ) -> None:
+        self.what = what
+        self.host = host
+        self.limits = limits
+        self._handler = handler
+        self._requested_port = port
+        self._tls = tls
+        self._server_name = server or f"pinvault-{what}"
+        self._socket: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        # Only the event loop's thread reads or changes these.
+        self._by_address: dict[str, list[_Connection]] = {}
+        self._open = 0
+        self._pending = 0
+
+    @property
+    def port(self) -> int:
+        if self._socket is None:
+            raise RuntimeError(f"the {self.what} server is not started")
+        return int(self._socket.getsockname()[1])
+
+    def start(self) -> Self:
+        if self._socket is not None:
+            raise RuntimeError(f"the {self.what} server is already started")
+        if not 0 <= self._requested_port <= 65535:
+            raise InvalidArgument(f"a {self.what} port is 0 to 65535, not {self._requested_port}")
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        try:
+            listening = socket.create_server(
+                (self.host, self._requested_port), family=family, backlog=128
+            )
+        except OSError as exc:
+            raise Unavailable(
+                f"cannot serve {self.what} on {self.host}:{self._requested_port}: "
+                f"{exc.strerror or exc}"
+            ) from None
+        self._socket = listening
+        self._pool = _started_pool(self.what, self.limits.workers)
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=asyncio.run, args=(self._main(listening, ready),), name=f"{self.what}-http"
+        )
+        self._thread.start()
+        ready.wait()
+        if self._stopping is None:
+            self.stop()
+            raise Unavailable(f"the {self.what} server did not start: see its log")
+        return self
+
+    def stop(self) -> None:
+        """Close every connection and the listening socket, and join every thread."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        if self._loop is not None and self._stopping is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has already ended
+                self._loop.call_soon_threadsafe(self._stopping.set)
+        thread.join()
+        self._loop = self._stopping = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- the event loop's side
+
+    async def _main(self, listening: socket.socket, ready: threading.Event) -> None:
+        try:
+            server = await asyncio.start_server(self._connected, sock=listening, limit=_READ_SIZE)
+            self._loop = asyncio.get_running_loop()
+            self._stopping = asyncio.Event()
+        except Exception:
+            log.exception("the %s server did not start", self.what)
+            return
+        finally:
+            ready.set()
+        async with server:
+            await self._stopping.wait()
+            server.close()
+            tasks = [c.task for mine in self._by_address.values() for c in mine]
+            for connection in [c for mine in self._by_address.values() for c in mine]:
+                self._evict(connection)
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peername = writer.get_extra_info("peername")
+        peer = str(peername[0]) if isinstance(peername, tuple) else ""
+        task = asyncio.current_task()
+        assert task is not None
+        connection = _Connection(peer, task, writer.transport)
+        if not self._admit(connection):
+            # Plain bytes, never waited on: a TLS caller cannot read them, and is closed all
+            # the same.
+            if self._tls is None:
+                writer.write(_BUSY)
+                writer.close()
+            else:
+                writer.transport.abort()
+            return
+        try:
+            await self._converse(connection, reader, writer)
+        except (OSError, TimeoutError, ssl.SSLError, h11.LocalProtocolError) as exc:
+            log.debug("%s connection from %s ended: %r", self.what, peer, exc)
+        except asyncio.CancelledError:
+            # Evicted (or the edge stopping): the task ends as a normal one would, since
+            # asyncio's stream callback takes a cancelled connection task for a failure.
+            if not connection.evicted:
+                raise
+        except Exception:
+            # A fault of this server's, not the caller's: one record, and the connection ends.
+            log.exception("%s connection from %s failed", self.what, peer)
+        finally:
+            self._forget(connection)
+            if not connection.evicted:
+                # What was written goes out (through TLS too) before the socket closes.
+                writer.close()
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(1.0):
+                        await writer.wait_closed()
+            writer.transport.abort()
+
+    def _admit(self, connection: _Connection) -> bool:
+        """Whether `connection` may be served, after evicting a waiting one if a cap is full."""
+        mine = self._by_address.setdefault(connection.peer, [])
+        if len(mine) >= self.limits.per_address:
+            victim = next((c for c in mine if c.waiting), None)
+            if victim is None:
+                if not mine:
+                    del self._by_address[connection.peer]
+                return False
+            self._evict(victim)
+        if self._open >= self.limits.connections:
+            # From the address holding the most: a crowd from one place goes first.
+            crowded = sorted(self._by_address.values(), key=len, reverse=True)
+            victim = next((c for group in crowded for c in group if c.waiting), None)
+            if victim is None:
+                if not mine:
+                    del self._by_address[connection.peer]
+                return False
+            self._evict(victim)
+        self._by_address.setdefault(connection.peer, []).append(connection)
+        self._open += 1
+        return True
+
+    def _evict(self, connection: _Connection) -> None:
+        self._forget(connection)
+        connection.evicted = True
+        connection.transport.abort()
+        connection.task.cancel()
+
+    def _forget(self, connection: _Connection) -> None:
+        mine = self._by_address.get(connection.peer)
+        if mine is None or connection not in mine:
+            return
+        mine.remove(connection)
+        self._open -= 1
+        if not mine:
+            del self._by_address[connection.peer]
+
+    async def _converse(
+        self, connection: _Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        limits = self.limits
+        http = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_head_bytes)
+        handshake = self._tls is not None
+        while True:
+            connection.waiting = True
+            try:
+                async with asyncio.timeout(limits.head_seconds):
+                    if handshake:
+                        await writer.start_tls(self._tls)  # type: ignore[arg-type]
+                        handshake = False
+                    event = await _next_event(http, reader)
+            except TimeoutError:
+                return
+            except h11.RemoteProtocolError as exc:
+                await self._refuse(http, writer, exc.error_status_hint, f"bad request: {exc}")
+                return
+            if not isinstance(event, h11.Request):
+                return
+            connection.waiting = False
+            request = await self._request(http, reader, writer, event, connection.peer)
+            if request is None:
+                return
+            response = await self._work(request)
+            await self._answer(http, writer, response, head=request.method == "HEAD")
+            if http.our_state is not h11.DONE or http.their_state is not h11.DONE:
+                return
+            http.start_next_cycle()
+
+    async def _request(
+        self,
+        http: h11.Connection,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        event: h11.Request,
+        peer: str,
+    ) -> Request | None:
+        """The whole request `event` opens, or None once it is refused."""
+        limits = self.limits
+        method = event.method.decode("ascii", "replace")
+        headers = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in event.headers)
+        if method not in limits.methods:
+            allowed = ", ".join(sorted(limits.methods))
+            await self._refuse(
+                http, writer, 405, "method not allowed", headers=(("Allow", allowed),)
+            )
+            return None
+        announced = [int(v) for k, v in headers if k == "content-length"]
+        if announced and announced[0] > limits.max_body_bytes:
+            await self._refuse(
+                http,
+                writer,
+                413,
+                f"the request is {announced[0]} bytes, more than {limits.max_body_bytes}",
+            )
+            return None
+        body = bytearray()
+        try:
+            async with asyncio.timeout(limits.body_seconds):
+                if http.client_is_waiting_for_100_continue:
+                    await self._write(
+                        writer, _sent(http, h11.InformationalResponse(status_code=100, headers=[]))
+                    )
+                while not isinstance(part := await _next_event(http, reader), h11.EndOfMessage):
+                    if not isinstance(part, h11.Data):
+                        return None
+                    body += part.data
+                    if len(body) > limits.max_body_bytes:
+                        await self._refuse(
+                            http,
+                            writer,
+                            413,
+                            f"the body is more than {limits.max_body_bytes} bytes",
+                        )
+                        return None
+        except TimeoutError:
+            await self._refuse(http, writer, 408, "the request's body came too slowly")
+            return None
+        except h11.RemoteProtocolError as exc:
+            await self._refuse(http, writer, exc.error_status_hint, f"bad request: {exc}")
+            return None
+        target = event.target.decode("latin-1")
+        return Request(method, target, headers, bytes(body), peer)
+
+    async def _work(self, request: Request) -> Response:
+        """The handler's answer, computed on a worker thread."""
+        limits = self.limits
+        if self._pending >= limits.workers + limits.queue:
+            return Response.text(
+                503, f"the {self.what} server is busy", headers=(("Retry-After", "1"),)
+            )
+        assert self._loop is not None and self._pool is not None
+        self._pending += 1
+        future = self._loop.run_in_executor(self._pool, self._handle, request)
+
+        def done(_: object) -> None:
+            self._pending -= 1
+
+        future.add_done_callback(done)
+        try:
+            async with asyncio.timeout(limits.work_seconds):
+                return await asyncio.shield(future)
+        except TimeoutError:
+            return Response.text(
+                503, f"the {self.what} server took too long", headers=(("Retry-After", "1"),)
+            )
+
+    def _handle(self, request: Request) -> Response:
+        try:
+            return self._handler(request)
+        except Exception:
+            log.exception("%s request %s %s failed", self.what, request.method, request.target)
+            return Response.text(500, f"the {self.what} server failed; see its log", close=True)
+
+    async def _answer(
+        self, http: h11.Connection, writer: asyncio.StreamWriter, response: Response, *, head: bool
+    ) -> None:
+        headers = [
+            ("Content-Type", response.content_type),
+            ("Content-Length", str(len(response.body))),
+            ("Cache-Control", response.cache),
+            ("X-Content-Type-Options", "nosniff"),
+            ("Server", self._server_name),
+            *response.headers,
+        ]
+        if response.close:
+            headers.append(("Connection", "close"))
+        data = _sent(http, h11.Response(status_code=response.status, headers=headers))
+        if not head and response.body:
+            data += _sent(http, h11.Data(data=response.body))
+        data += _sent(http, h11.EndOfMessage())
+        await self._write(writer, data)
+
+    async def _refuse(
+        self,
+        http: h11.Connection,
+        writer: asyncio.StreamWriter,
+        status: int,
+        message: str,
+        *,
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        if http.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return
+        response = Response.text(status, message, headers=headers, close=True)
+        with contextlib.suppress(OSError, TimeoutError, h11.LocalProtocolError):
+            await self._answer(http, writer, response, head=False)
+
+    async def _write(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+        if not data:
+            return
+        async with asyncio.timeout(self.limits.write_seconds):
+            writer.write(data)
+            await writer.drain()
+
+
+async def _next_event(http: h11.Connection, reader: asyncio.StreamReader) -> object:
+    """h11's next event, reading from `reader` as it needs (end of stream: ConnectionClosed)."""
+    while True:
+        event = http.next_event()
+        if event is not h11.NEED_DATA:
+            return event
+        http.receive_data(await reader.read(_READ_SIZE))
+
+
+def _sent(http: h11.Connection, event: h11.Event) -> bytes:
+    return http.send(event) or b""
+
+
+def _started_pool(what: str, workers: int) -> ThreadPoolExecutor:
+    """A pool whose `workers` threads are all running before it is used: no request ever
+    waits for a thread to be made, and none is made later."""
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"{what}-worker")
+    gathered = threading.Barrier(workers)
+    for _ in range(workers):
+        pool.submit(gathered.wait, 10.0)
+    return pool
