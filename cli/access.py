@@ -11,7 +11,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from cli.output import print_json
+from cli.output import print_json, shown
 from vault.client import VaultClient
 from vault.config import ROLES, Config, check_name, check_role
 
@@ -103,7 +103,8 @@ def _list(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
         return 0
     for t in tokens:
         state = f"revoked {t.revoked}" if t.revoked else "valid"
-        print(f"pv_{t.token_id}  {t.name:<16} {t.team:<12} {t.role:<9} {t.created}  {state}")
+        # The server's text: escaped, so that a hostile server cannot forge a line.
+        print(shown(f"pv_{t.token_id}  {t.name:<16} {t.team:<12} {t.role:<9} {t.created}  {state}"))
     return 0
 
 
@@ -114,7 +115,7 @@ def _revoke(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
     if args.json:
         print_json({"token_id": token_id, "revoked": True})
     else:
-        print(f"revoked pv_{token_id}")
+        print(f"revoked pv_{shown(token_id)}")
     return 0
 
 

@@ -184,7 +184,7 @@ def _checkout(args: argparse.Namespace, config: Config, *, connect: Connect) -> 
             }
         )
     else:
-        print(f"{len(manifest.files)} files, {manifest.size} bytes in {args.folder}")
+        print(f"{len(manifest.files)} files, {manifest.size} bytes in {shown(args.folder)}")
     return 0
 
 
@@ -198,5 +198,6 @@ def _diff(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
         return 0
     for mark, paths in (("+", diff.added), ("-", diff.removed), ("M", diff.changed)):
         for path in paths:
-            print(f"{mark} {path}")
+            # A path is a writer's text: escaped, it cannot pass for another line.
+            print(f"{mark} {shown(path)}")
     return 0

@@ -18,11 +18,15 @@ def error_line(exc: VaultError) -> str:
     return message if status is None else f"{status}: {message}"
 
 
-def print_json(value: Any) -> None:
-    print(json.dumps(value, ensure_ascii=False))
-
-
 _UNSAFE = re.compile(f"[{UNSAFE_TEXT}]")
+
+
+def print_json(value: Any) -> None:
+    """`value` as one line of JSON. Text stays readable UTF-8, but a character that could
+    move a terminal's cursor or reorder what follows (C1 controls and bidirectional marks,
+    which JSON allows raw) is written as its `\\u` escape: the same JSON value, shown safely."""
+    text = json.dumps(value, ensure_ascii=False)
+    print(_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text))
 
 
 def shown(text: str) -> str:

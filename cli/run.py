@@ -32,7 +32,6 @@ from vault.config import (
 from vault.digest import Digest
 from vault.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, VaultError
 from vault.ledger.runid import parse_seed
-from vault.runs import load_run_manifest
 from vault.runs.metrics import read_metrics
 from vault.runs.mlflow_export import (
     INSTALL_HINT,
@@ -181,7 +180,9 @@ def _short(digest: str) -> str:
 
 
 def _step(mark: str, what: str, detail: str) -> None:
-    print(f"{mark} {what:<33} {detail}", flush=True)
+    # Details carry the vault's and writers' text (teams, authors, names, sbatch's words):
+    # escaped here, once for every step, so that none passes for another line.
+    print(f"{mark} {what:<33} {shown(detail)}", flush=True)
 
 
 def _quiet(mark: str, what: str, detail: str) -> None:
@@ -469,8 +470,11 @@ def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
     sbatch_args = list(args.sbatch_args)
     manifest_digest = str(Digest.parse(args.manifest))
     with connect(config) as client, tempfile.TemporaryDirectory(prefix="pinvault-replay-") as tmp:
-        # Refuses a manifest not sealed by the team its run was admitted for, naming who did.
-        manifest = load_run_manifest(client, manifest_digest)
+        # Refuses a manifest not sealed by the team its run was admitted for, naming who did;
+        # who sealed it is shown as the vault's entry records it, never as the manifest says.
+        sealed = find_sealed_run(client, manifest_digest, purpose="replay")
+        manifest_digest, manifest = sealed.digest, sealed.manifest
+        sealed_by = sealed.sealed.meta.get("team", "")
         recorded = manifest.environment.variables.get(ENV_SCRIPT, "")
         given = batch_script(sbatch_args)
         if given is None:
@@ -483,11 +487,11 @@ def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
             # Fetched verified: these are the bytes the digest shown below names.
             client.get(recorded, script)
             sbatch_args.append(str(script))
-            shown = f"{recorded}  (recorded in the manifest)"
+            script_line = f"{recorded}  (recorded in the manifest)"
         else:
             # Stored, so that this replay's own manifest records the script it really ran.
             recorded = str(client.put(given).blob.sha256)
-            shown = f"{recorded}  ({given})"
+            script_line = f"{recorded}  ({given})"
         task = manifest.environment.variables.get(ARRAY_TASK, "")
         if task.isdecimal() and not any(a.startswith(("--array", "-a")) for a in sbatch_args):
             # A task of a job array runs again as that task, with the same SLURM_ARRAY_TASK_ID.
@@ -496,7 +500,8 @@ def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
         step(
             "✓",
             "run manifest published",
-            f"{_short(manifest_digest)}  run {_short(manifest.run_id)}  team {manifest.team}",
+            f"{_short(manifest_digest)}  run {_short(manifest.run_id)}  team {sealed_by}  "
+            f"sealed by {sealed.sealed.author} (entry {sealed.sealed.index})",
         )
         inputs = manifest.inputs
         admission = client.admit(
@@ -508,7 +513,7 @@ def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
             replay_of=manifest_digest,
         )
         step("✓", "inputs pinned and intact", f"replay slot taken for team {admission.team}")
-        step("→", "batch script", shown)
+        step("→", "batch script", script_line)
         env = job_environment(
             config,
             admission,
@@ -530,7 +535,9 @@ def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
                 **_admission_dict(admission),
                 "job": job,
                 "replay_of": manifest_digest,
-                "sealed_by": manifest.team,
+                "sealed_by": sealed_by,
+                "sealed_by_author": sealed.sealed.author,
+                "sealed_entry": sealed.sealed.index,
                 "team": admission.team,
                 "script": recorded,
             }

@@ -17,7 +17,7 @@ from tests.services.vault_server import VaultServer, run_vault
 from vault.client import Credentials, VaultClient
 from vault.errors import PermissionDenied, Unauthenticated, Unavailable
 from vault.server.auth import PERMISSIONS
-from vault.store.manifest import build_manifest, encode_manifest
+from vault.store.manifest import FileEntry, build_manifest, encode_manifest
 from vault.wire import pinvault_pb2 as pb
 
 CREDENTIALS = {"PINVAULT_AUTH_MODE": "credentials"}
@@ -373,3 +373,24 @@ def test_bearer_tokens_over_tls_off_loopback(start_vault: StartVault, tmp_path: 
         VaultClient(server.address, credentials=Credentials(ca=ca), timeout=10).stat(digest)
     with pytest.raises(Unavailable):
         VaultClient(server.address, timeout=5).stat(digest)
+
+
+def test_a_writer_resolves_dataset_names_but_may_not_read_the_whole_log(vault: Vault) -> None:
+    writer_token = vault.token("alice", "vision", "writer")
+    writer = vault.client(writer_token)
+    data = b"x,y\n1,2\n"
+    entry = FileEntry("train.csv", len(data), 0o644, str(writer.put(data).blob.sha256))
+    manifest = str(writer.put(encode_manifest(build_manifest([entry]))).blob.sha256)
+    writer.pin("dataset", manifest, meta={"name": "mnist", "tag": "v1"})
+    env = {"PINVAULT_CLIENT_TOKEN": writer_token}
+
+    shown = vault.server.run("dataset", "show", "mnist@v1", "--json", env=env).ok()
+    assert (shown.json()["digest"], shown.json()["author"]) == (manifest, "alice")
+    # The whole ledger's log stays an audit.
+    refused = vault.server.run("log", env=env)
+    assert refused.returncode == 1
+    assert refused.error_line().startswith(
+        "vault: PERMISSION_DENIED: alice (writer) may not call Ledger.Log but for dataset pins"
+    )
+    with pytest.raises(PermissionDenied, match=r"may not call Ledger\.Log"):
+        list(writer.log(kind="run"))

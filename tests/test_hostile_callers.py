@@ -27,7 +27,6 @@ from vault.client.reader import read_all
 from vault.config import Config
 from vault.errors import QuotaExceeded, Unauthenticated
 from vault.ledger.db import Database
-from vault.server import tokens as tokens_module
 from vault.server.database import open_ledger_database
 from vault.server.tokens import TokenStore
 from vault.wire import pinvault_pb2 as pb
@@ -139,25 +138,32 @@ def test_a_flood_of_unknown_tokens_is_refused_at_once_past_a_few(vault: Vault) -
     assert known.stat(digest).blob.size == 9
 
 
-def test_the_token_cache_is_bounded_and_keeps_no_unknown_token(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(tokens_module, "TOKEN_CACHE_ENTRIES", 8)
+def test_unknown_tokens_cost_no_query_and_leave_nothing_behind(tmp_path: Path) -> None:
     db: Database = open_ledger_database(Config(data_dir=str(tmp_path)))
     store = TokenStore(db)
     try:
+        secrets = [store.create(name=f"u{n}", team="t", role="reader")[1] for n in range(20)]
+        assert store.authenticate(secrets[0]).name == "u0"
+        queries: list[object] = []
+
+        class Counting:
+            def fetch(self, *args: Any) -> Any:
+                queries.append(args)
+                return db.fetch(*args)
+
+        store.db = Counting()  # type: ignore[assignment]
         for n in range(2000):
             with pytest.raises(Unauthenticated):
                 store.authenticate(unknown_token(n))
-        assert store.cached == 0
-        secrets = [store.create(name=f"u{n}", team="t", role="reader")[1] for n in range(20)]
-        for secret in secrets:
-            assert store.authenticate(secret).role == "reader"
-        assert store.cached == 8
-        # Past its failures, a caller is refused without a look-up, unless remembered.
-        assert store.authenticate(secrets[-1], may_look_up=False).name == "u19"
-        with pytest.raises(QuotaExceeded):
-            store.authenticate(secrets[0], may_look_up=False)
+        # Only the live tokens are held, and the flood read the database at most once a
+        # refresh interval (it took well under a few seconds).
+        assert store.live == 20
+        assert len(queries) <= 3
+        # Past its failures an address is told to back off; a valid token is never counted.
+        failed = Unauthenticated("token pv_x is unknown or revoked")
+        answers = [type(store.refused("10.0.0.1", failed)) for _ in range(40)]
+        assert answers[:30] == [Unauthenticated] * 30 and set(answers[30:]) == {QuotaExceeded}
+        assert store.authenticate(secrets[-1]).name == "u19"
     finally:
         store.close()
         db.dispose()

@@ -21,7 +21,7 @@ from vault.client import Admission, ProvenEntry, VaultClient
 from vault.errors import PermissionDenied
 from vault.ledger.runid import RunInputs
 from vault.runs import CheckpointManifest, start
-from vault.runs.manifest import FileRecord
+from vault.runs.manifest import FileRecord, load_run_manifest
 from vault.store.manifest import FileEntry, build_manifest, encode_manifest
 from vault.wire import pinvault_pb2 as pb
 
@@ -410,3 +410,41 @@ def test_replay_refuses_a_manifest_another_team_sealed_for_the_run(
     assert f"{good_script}  (recorded in the manifest)" in lines[script_line]
     assert "launching on cluster" in lines[-3] and script_line < len(lines) - 3
     assert called.read_text().count("\n") == 1
+
+
+def test_replay_names_the_team_the_sealing_entry_records_not_the_manifests_claim(
+    teams: Teams, tmp_path: Path
+) -> None:
+    # Speech runs a job of its own and seals, for it, a manifest whose team field says vision.
+    admission = teams.admit(teams.mallory, seed=SEED + 1)
+    script = str(teams.mallory.put(b"#!/bin/sh\ntrain\n").blob.sha256)
+    env = teams.job_env(admission, PINVAULT_SCRIPT=script)
+    with (
+        start(teams.mallory, environ=env, output_dir=tmp_path / "m") as run,
+        run.output("result.txt") as out,
+    ):
+        out.write(b"speech's result\n")
+    own = load_run_manifest(teams.mallory, run.finish())
+    claiming = replace(own, team="vision")
+    forged = str(teams.mallory.put(claiming.encode()).blob.sha256)
+    pin = teams.mallory.pin("run", [forged, admission.run_id], meta={"stage": "manifest"}).entry
+    assert (pin.author, pin.meta["team"]) == ("mallory", "speech")
+
+    # Vision's reviewer replays it: the command names who sealed it as the vault recorded.
+    called = fake_sbatch(tmp_path / "bin")
+    shown = teams.command(
+        teams.alice_token, "replay", forged, "--team", "vision", path=str(called.parent)
+    )
+    assert shown.returncode == 0, shown.stderr
+    published = next(line for line in shown.stdout.splitlines() if "manifest published" in line)
+    assert f"team speech  sealed by mallory (entry {pin.index})" in published
+    assert "team vision" not in published
+    record = teams.command(
+        teams.alice_token, "replay", forged, "--team", "vision", "--json", path=str(called.parent)
+    ).ok().json()  # fmt: skip
+    assert (record["sealed_by"], record["sealed_by_author"], record["sealed_entry"]) == (
+        "speech",
+        "mallory",
+        pin.index,
+    )
+    assert record["team"] == "vision"  # the replay's own slot

@@ -6,6 +6,8 @@ stored by an earlier release is shown escaped."""
 from __future__ import annotations
 
 import hashlib
+import re
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,7 @@ from tests.services.vault_server import VaultServer
 from vault.errors import InvalidArgument, NotFound
 from vault.ledger.checkpoint import SigningKey
 from vault.ledger.db import open_database
+from vault.ledger.entry import UNSAFE_TEXT
 from vault.ledger.log import Ledger, PinSpec
 
 ORIGIN = "text.test/ledger"
@@ -105,3 +108,48 @@ def test_text_an_earlier_release_stored_is_shown_escaped(start_vault: StartVault
     found = server.run("lookup", _subject("old")).ok()
     assert "\n     7  2026" not in found.stdout and "\\u{000a}" in found.stdout
     assert "ledger OK" in server.run("verify").ok().stdout
+
+
+# File names a writer chose: a title change, a screen clear, a right-to-left override, and a
+# newline followed by a forged line of `vault dataset diff`.
+HOSTILE_FILE_NAMES = (
+    "title\x1b]0;pwned\x07.txt",
+    "clear\x1b[2J\x1b[H.txt",
+    "report.\u202etxt.exe",
+    "x\n+ weights/official-checkpoint.bin",
+)
+
+
+def test_dataset_commands_show_hostile_file_names_escaped(
+    vault_server: VaultServer, tmp_path: Path
+) -> None:
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    (old / "plain.txt").write_bytes(b"plain")
+    for n, name in enumerate(HOSTILE_FILE_NAMES):
+        (new / name).parent.mkdir(exist_ok=True)
+        (new / name).write_bytes(b"file %d" % n)
+    vault_server.run("dataset", "add", "before", str(old)).ok()
+    vault_server.run("dataset", "add", "after", str(new)).ok()
+
+    diff = vault_server.run("dataset", "diff", "before", "after").ok()
+    escaped = {
+        "title\\u{001b}]0;pwned\\u{0007}.txt",
+        "clear\\u{001b}[2J\\u{001b}[H.txt",
+        "report.\\u{202e}txt.exe",
+        "x\\u{000a}+ weights/official-checkpoint.bin",
+    }
+    assert sorted(diff.stdout.splitlines()) == sorted(
+        [*(f"+ {name}" for name in escaped), "- plain.txt"]
+    )
+    # The machine's output keeps every name exactly, as JSON escapes.
+    as_json = vault_server.run("dataset", "diff", "before", "after", "--json").ok()
+    assert not re.search(f"[{UNSAFE_TEXT}]", as_json.stdout.rstrip("\n"))
+    assert sorted(as_json.json()["added"]) == sorted(HOSTILE_FILE_NAMES)
+    for args in (("show", "after"), ("ls",), ("checkout", "after", str(tmp_path / "out"))):
+        shown = vault_server.run("dataset", *args).ok()
+        assert not any(re.search(f"[{UNSAFE_TEXT}]", line) for line in shown.stdout.splitlines())
+    out = tmp_path / "out"
+    checked_out = [str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()]
+    assert sorted(checked_out) == sorted(HOSTILE_FILE_NAMES)

@@ -7,12 +7,12 @@ loopback or a Unix socket only.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from vault.config import ROLES
-from vault.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from vault.errors import InvalidArgument, PermissionDenied, Unauthenticated, VaultError
 
 MODES: Final = ("local", "credentials")
 
@@ -30,7 +30,9 @@ PERMISSIONS: Final[Mapping[str, str]] = {
     "Ledger.PinBatch": "write",
     "Ledger.Lookup": "read",
     "Ledger.LookupBatch": "read",
-    "Ledger.Log": "audit",
+    # The least a Log request needs: what it asks for is checked once it is read
+    # (REQUEST_PERMISSIONS).
+    "Ledger.Log": "read",
     "Ledger.GetCheckpoint": "read",
     "Ledger.GetInclusionProof": "read",
     "Ledger.GetConsistencyProof": "read",
@@ -42,6 +44,19 @@ PERMISSIONS: Final[Mapping[str, str]] = {
     "Tokens.CreateToken": "admin",
     "Tokens.ListTokens": "admin",
     "Tokens.RevokeToken": "admin",
+}
+
+
+def _log_permission(request: Any) -> str:
+    # A dataset's name is how people and jobs give its digest, so any role that may read may
+    # read the `dataset` pins that names resolve from; the log of the whole ledger (runs,
+    # admissions, every author's pins) is an audit.
+    return "read" if request.kind == "dataset" else "audit"
+
+
+# Methods whose requests may need more than the method's own permission, by what they ask.
+REQUEST_PERMISSIONS: Final[Mapping[str, Callable[[Any], str]]] = {
+    "Ledger.Log": _log_permission,
 }
 
 TOKEN_PREFIX: Final = "pv_"
@@ -113,9 +128,12 @@ def identity_from_certificate(pem: bytes) -> Identity:
 
 
 class Authenticator(Protocol):
-    """Where bearer tokens are checked (`vault.tokens.TokenStore`)."""
+    """Where bearer tokens are checked (`vault.server.tokens.TokenStore`), and where failed
+    credentials are counted per address (its `FailedCredentials`)."""
 
-    def authenticate(self, token: str, *, may_look_up: bool = True) -> Identity: ...
+    def authenticate(self, token: str) -> Identity: ...
+
+    def refused(self, address: str, error: Unauthenticated) -> VaultError: ...
 
 
 class Gate:
@@ -134,20 +152,30 @@ class Gate:
         metadata: Sequence[tuple[str, Any]],
         auth_context: Mapping[str, Any],
         *,
-        may_look_up: bool = True,
+        address: str = "",
     ) -> Identity:
-        """Who is calling; with `may_look_up` False, a token not remembered from a recent
-        look-up is refused (QuotaExceeded) rather than looked up."""
+        """Who is calling. A credential that fails is counted against the caller's `address`
+        (`failed_credentials.caller_address`); past the address's allowance it is refused as
+        QuotaExceeded rather than Unauthenticated. A valid credential is never counted."""
         if self.mode == "local":
             return LOCAL
+        assert self.tokens is not None
+        try:
+            return self._identify(metadata, auth_context)
+        except Unauthenticated as exc:
+            raise self.tokens.refused(address, exc) from None
+
+    def _identify(
+        self, metadata: Sequence[tuple[str, Any]], auth_context: Mapping[str, Any]
+    ) -> Identity:
         for key, value in metadata:
             if key == "authorization":
                 text = value.decode() if isinstance(value, bytes) else str(value)
                 scheme, _, token = text.partition(" ")
-                if scheme.lower() != "bearer" or not token:
+                if scheme.lower() != "bearer" or not token.strip():
                     raise Unauthenticated("the authorization header is not 'Bearer <token>'")
                 assert self.tokens is not None
-                return self.tokens.authenticate(token, may_look_up=may_look_up)
+                return self.tokens.authenticate(token.strip())
         pem = auth_context.get("x509_pem_cert")
         if pem:
             return identity_from_certificate(pem[0])
@@ -162,9 +190,9 @@ class Gate:
         metadata: Sequence[tuple[str, Any]],
         auth_context: Mapping[str, Any],
         *,
-        may_look_up: bool = True,
+        address: str = "",
     ) -> Identity:
-        return self.permit(rpc, self.identify(metadata, auth_context, may_look_up=may_look_up))
+        return self.permit(rpc, self.identify(metadata, auth_context, address=address))
 
     def permit(self, rpc: str, identity: Identity) -> Identity:
         """`identity`, after checking it may call `rpc`."""
@@ -176,3 +204,16 @@ class Gate:
                 f"roles {', '.join(roles) or 'none'}"
             )
         return identity
+
+    def permit_request(self, rpc: str, identity: Identity, request: Any) -> None:
+        """Refuse a request of `rpc` that asks for more than `identity` may see, once read."""
+        rule = REQUEST_PERMISSIONS.get(rpc)
+        if rule is None or not identity.authenticated:
+            return
+        permission = rule(request)
+        if not identity.may(permission):
+            roles = [r for r, p in ROLES.items() if permission in p]
+            raise PermissionDenied(
+                f"{identity.name} ({identity.role}) may not call {rpc} but for dataset pins: "
+                f"the whole log needs one of the roles {', '.join(roles)}"
+            )

@@ -1,7 +1,7 @@
 """The gate every call passes before its request is read: who is calling (a bearer token, a
 client certificate or the one local user), whether they may, and whether they may open one more
-stream. Failed credentials are limited per address, so an anonymous caller costs the vault
-almost nothing.
+stream. Checking a credential costs no query, and failed ones are counted per address
+(failed_credentials.py), so an anonymous caller costs the vault almost nothing.
 
 An asyncio gRPC server reads and decodes a unary call's whole request before any handler runs,
 an interceptor's own included (measured: 32 refused 60 MiB calls cost 3 GiB that way). So every
@@ -11,9 +11,7 @@ known and allowed; a refused call's bytes are never read."""
 from __future__ import annotations
 
 import asyncio
-import ipaddress
-import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,7 +20,7 @@ from typing import Any, Final
 import grpc
 
 from vault.config import Config
-from vault.errors import InvalidArgument, QuotaExceeded, Unauthenticated
+from vault.errors import InvalidArgument, QuotaExceeded
 from vault.server.auth import CALLER, PERMISSIONS, Gate, Identity
 from vault.server.decoding import Undecodable, decoder, lenient
 from vault.server.edge import (
@@ -33,10 +31,8 @@ from vault.server.edge import (
     abort,
     rpc_name,
 )
+from vault.server.failed_credentials import caller_address
 
-# Addresses whose failed credentials are counted at once, the least recently seen forgotten
-# first (a forgotten address starts again with a full bucket).
-FAILURE_ADDRESSES: Final = 4096
 # Calls of the open services (health, reflection) whose request is being read at once: they
 # ask no credential, so this bounds what anonymous callers make the vault hold.
 OPEN_READS: Final = 8
@@ -50,8 +46,6 @@ class Limits:
     max_streams: int = 256
     streams_per_caller: int = 64
     stream_idle_timeout: float = 60.0
-    failed_auth_burst: int = 30
-    failed_auth_rate: float = 2.0
 
     @classmethod
     def from_config(cls, config: Config) -> Limits:
@@ -60,49 +54,7 @@ class Limits:
             max_streams=server.max_streams,
             streams_per_caller=server.streams_per_caller,
             stream_idle_timeout=server.stream_idle_timeout,
-            failed_auth_burst=server.failed_auth_burst,
-            failed_auth_rate=server.failed_auth_rate,
         )
-
-
-def peer_address(peer: str) -> str:
-    """Whom failed credentials are counted against: the caller's IPv4 address, its IPv6 /64
-    (one host's share), or every Unix-socket caller alike."""
-    kind, _, rest = peer.partition(":")
-    host = rest.rpartition(":")[0]
-    if kind == "ipv4":
-        return host
-    if kind == "ipv6":
-        try:
-            return str(ipaddress.ip_network(f"{host.strip('[]')}/64", strict=False))
-        except ValueError:
-            return host
-    return kind
-
-
-class FailedCredentials:
-    """A token bucket of failed credentials per address: `burst` at most, refilled at `rate` a
-    second; an address whose bucket is empty is not looked up for."""
-
-    def __init__(self, burst: int, rate: float, addresses: int = FAILURE_ADDRESSES) -> None:
-        self.burst = float(burst)
-        self.rate = rate
-        self.addresses = addresses
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
-
-    def _level(self, address: str, now: float) -> float:
-        level, since = self._buckets.get(address, (self.burst, now))
-        return min(self.burst, level + (now - since) * self.rate)
-
-    def allows(self, address: str) -> bool:
-        return self._level(address, time.monotonic()) >= 1.0
-
-    def failed(self, address: str) -> None:
-        now = time.monotonic()
-        self._buckets[address] = (max(0.0, self._level(address, now) - 1.0), now)
-        self._buckets.move_to_end(address)
-        while len(self._buckets) > self.addresses:
-            self._buckets.popitem(last=False)
 
 
 class StreamSlots:
@@ -160,14 +112,11 @@ async def _respond(behaviour: Callable[..., Any], request: Any, context: Any) ->
 
 class Gatekeeper(WrappingInterceptor):
     """Serves every vault method only to a caller the gate names and allows, before its request
-    is read; counts streams against their caller; limits failed credentials per address."""
+    is read; counts streams against their caller."""
 
     def __init__(self, gate: Gate, limits: Limits | None = None) -> None:
         self.gate = gate
         self.limits = limits or Limits()
-        self.failures = FailedCredentials(
-            self.limits.failed_auth_burst, self.limits.failed_auth_rate
-        )
         self.slots = StreamSlots(self.limits.max_streams, self.limits.streams_per_caller)
         # Streams block on disks and on their callers; they get threads of their own, one per
         # open stream at most, so that look-ups and other short calls keep the workers.
@@ -192,17 +141,12 @@ class Gatekeeper(WrappingInterceptor):
     # ------------------------------------------------------------------ the vault's methods
 
     def _identify(self, rpc: str, context: Any) -> Identity:
-        address = peer_address(context.peer() or "")
-        try:
-            return self.gate.check(
-                rpc,
-                context.invocation_metadata() or (),
-                context.auth_context(),
-                may_look_up=self.failures.allows(address),
-            )
-        except Unauthenticated:
-            self.failures.failed(address)
-            raise
+        return self.gate.check(
+            rpc,
+            context.invocation_metadata() or (),
+            context.auth_context(),
+            address=caller_address(context.peer() or ""),
+        )
 
     def _guarded(self, rpc: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         streams = handler.request_streaming or handler.response_streaming
@@ -252,6 +196,7 @@ class Gatekeeper(WrappingInterceptor):
                 await enter(context)
                 try:
                     request = await _read_one(context, idle)
+                    self.gate.permit_request(rpc, CALLER.get(), request)
                 except Exception as exc:
                     await abort(context, exc)
                 return await unary_unary(request, context)
@@ -265,6 +210,7 @@ class Gatekeeper(WrappingInterceptor):
                 try:
                     try:
                         request = await _read_one(context, idle)
+                        self.gate.permit_request(rpc, CALLER.get(), request)
                     except Exception as exc:
                         await abort(context, exc)
                     await _respond(unary_stream, request, context)

@@ -74,8 +74,8 @@ async def build_server(
     servicers: list[Service] = [StoreService(content, ledger, desk, scrub), ledger_service]
     if admitter is not None:
         servicers.append(AdmissionService(admitter, ledger_service))
-    if tokens is not None:
-        servicers.append(TokensService(tokens))
+    # Without tokens (local mode) its calls say they need credentials mode.
+    servicers.append(TokensService(tokens))
     for servicer in servicers:
         servicer.gate = gate
         getattr(rpc, f"add_{servicer.rpc_service}Servicer_to_server")(servicer, server)

@@ -1,32 +1,34 @@
-"""Bearer tokens, kept as hashes in the vault's database (see `vault.server.auth` for what a
-token's role allows)."""
+"""Bearer tokens, kept as hashes in the vault's database and checked against a copy in memory
+of every live token's hash, so that an unknown token costs a dict look-up and no query (see
+`vault.server.auth` for what a token's role allows)."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
 
 from vault.config import Config, check_name, check_role
-from vault.errors import NotFound, QuotaExceeded, Unauthenticated
+from vault.errors import NotFound, QuotaExceeded, Unauthenticated, Unavailable, VaultError
 from vault.ledger.db import Database, Writer
 from vault.server.auth import TOKEN_PREFIX, Identity
 from vault.server.database import open_ledger_database
+from vault.server.failed_credentials import FailedCredentials
 from vault.server.folder_lock import make_data_folder
 
-# A revocation reaches every server within this many seconds.
-TOKEN_CACHE_SECONDS: Final = 5.0
-# Tokens a server remembers at once, the least recently used forgotten first. Only tokens that
-# were found are remembered: an unknown one is looked up each time it is presented, which the
-# gate's limit on failed credentials (vault/server/gatekeeper.py) keeps rare.
-TOKEN_CACHE_ENTRIES: Final = 1024
+log = logging.getLogger(__name__)
+
+# The copy in memory is read again from the database when a call finds it older than this: a
+# token created or revoked through another server (or offline) takes effect within this many
+# seconds, and however many calls arrive, a server reads the tokens at most once in it.
+TOKEN_REFRESH_SECONDS: Final = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,16 +58,22 @@ def split_token(token: str) -> tuple[str, str]:
 
 
 class TokenStore:
-    """Bearer tokens kept as hashes in the vault's database; a server caches what it looked up
-    for a few seconds so that a call costs no query."""
+    """Bearer tokens kept as hashes in the vault's database. Every live (unrevoked) token's
+    hash and identity is copied in memory, read again at most every TOKEN_REFRESH_SECONDS:
+    tokens are few, so a call never waits for a query of its own, and a flood of made-up
+    tokens costs a dict look-up each. Failed credentials are counted per address in
+    `failures`, which decides only how they are answered."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, failures: FailedCredentials | None = None) -> None:
         self.db = db
+        self.failures = failures or FailedCredentials()
         self._writer = Writer(db)
         self._lock = threading.Lock()
-        # The cache's own lock: a look-up never waits for a write.
-        self._cache_lock = threading.Lock()
-        self._cache: OrderedDict[str, tuple[float, bytes, Identity]] = OrderedDict()
+        # Held while the copy is read again: one reader at a time, the others wait for it.
+        self._refresh_lock = threading.Lock()
+        # Replaced whole, never changed in place, so a look-up needs no lock.
+        self._live: dict[str, tuple[bytes, Identity]] = {}
+        self._read_at = float("-inf")
 
     def close(self) -> None:
         self._writer.close()
@@ -87,6 +95,9 @@ class TokenStore:
                 "VALUES (?, ?, ?, ?, ?, ?)",
                 (info.token_id, _hash(secret), info.name, info.team, info.role, info.created),
             )
+        with self._refresh_lock:
+            identity = Identity(info.name, info.team, info.role)
+            self._live = {**self._live, info.token_id: (_hash(secret), identity)}
         return info, f"{TOKEN_PREFIX}{info.token_id}_{secret}"
 
     def list(self) -> list[TokenInfo]:
@@ -103,51 +114,60 @@ class TokenStore:
                 raise NotFound(f"no token {TOKEN_PREFIX}{token_id}")
             if found[0][0] is None:
                 tx.run("UPDATE tokens SET revoked = ? WHERE token_id = ?", (when, token_id))
-        with self._cache_lock:
-            self._cache.pop(token_id, None)
+        # On this server at once; on the others at their next read of the tokens.
+        with self._refresh_lock:
+            self._live = {k: v for k, v in self._live.items() if k != token_id}
 
     @property
-    def cached(self) -> int:
-        """How many tokens this server remembers now."""
-        return len(self._cache)
+    def live(self) -> int:
+        """How many tokens this server holds in memory now."""
+        return len(self._live)
 
-    def authenticate(self, token: str, *, may_look_up: bool = True) -> Identity:
-        """The identity `token` names. A token remembered from a recent look-up costs no query;
-        any other is looked up in the database, unless `may_look_up` is False (its address has
-        failed too often) and the token is not remembered at all: then it is refused as
-        QuotaExceeded without a query."""
-        token_id, secret = split_token(token)
-        now = time.monotonic()
-        with self._cache_lock:
-            cached = self._cache.get(token_id)
-            if cached is not None:
-                self._cache.move_to_end(token_id)
-        if cached is None or now - cached[0] > TOKEN_CACHE_SECONDS:
-            # A token found recently is looked up again whatever its address has failed.
-            if cached is None and not may_look_up:
-                raise QuotaExceeded(
-                    "too many failed credentials from this address: wait a few seconds"
+    def _fresh(self) -> dict[str, tuple[bytes, Identity]]:
+        """The live tokens, read again from the database if the copy is older than
+        TOKEN_REFRESH_SECONDS; a failed read refuses the call rather than trust an old copy
+        (which might hold a revoked token)."""
+        if time.monotonic() - self._read_at <= TOKEN_REFRESH_SECONDS:
+            return self._live
+        with self._refresh_lock:
+            began = time.monotonic()
+            if began - self._read_at <= TOKEN_REFRESH_SECONDS:
+                return self._live
+            try:
+                rows = self.db.fetch(
+                    "SELECT token_id, secret_hash, name, team, role FROM tokens "
+                    "WHERE revoked IS NULL"
                 )
-            rows = self.db.fetch(
-                "SELECT secret_hash, name, team, role, revoked FROM tokens WHERE token_id = ?",
-                (token_id,),
-            )
-            if not rows or rows[0][4] is not None:
-                with self._cache_lock:
-                    self._cache.pop(token_id, None)
-                raise Unauthenticated(f"token {TOKEN_PREFIX}{token_id} is unknown or revoked")
-            stored, name, team, role, _ = rows[0]
-            cached = (now, bytes(stored), Identity(name, team, role))
-            with self._cache_lock:
-                self._cache[token_id] = cached
-                self._cache.move_to_end(token_id)
-                while len(self._cache) > TOKEN_CACHE_ENTRIES:
-                    self._cache.popitem(last=False)
-        _, stored_hash, identity = cached
-        # Compared in constant time; the message names the token's public id, never its secret.
-        if not hmac.compare_digest(stored_hash, _hash(secret)):
+            except Exception as exc:
+                log.warning("cannot read the tokens from the database: %s", exc)
+                raise Unavailable(
+                    "cannot check credentials: the vault's database did not answer"
+                ) from None
+            self._live = {t: (bytes(h), Identity(n, tm, r)) for t, h, n, tm, r in rows}
+            self._read_at = began
+            return self._live
+
+    def authenticate(self, token: str) -> Identity:
+        """The identity `token` names: checked against the copy in memory, never a query of
+        its own. Unknown, revoked or wrong: Unauthenticated, naming the token's public id and
+        never its secret."""
+        token_id, secret = split_token(token)
+        found = self._fresh().get(token_id)
+        # Compared in constant time, and hashed whether or not the id is known.
+        wanted = _hash(secret)
+        if found is None or not hmac.compare_digest(found[0], wanted):
             raise Unauthenticated(f"token {TOKEN_PREFIX}{token_id} is unknown or revoked")
-        return identity
+        return found[1]
+
+    def refused(self, address: str, error: Unauthenticated) -> VaultError:
+        """What a failed credential from `address` is answered: `error`, or, once the address
+        has failed too often, QuotaExceeded saying so."""
+        if self.failures.failed(address):
+            return error
+        return QuotaExceeded(
+            f"{error}; and this address has sent too many failed credentials: wait a few "
+            "seconds before trying again"
+        )
 
 
 def create_offline(config: Config, *, name: str, team: str, role: str) -> tuple[TokenInfo, str]:

@@ -1,9 +1,11 @@
-"""The Tokens service: administrators create, list and revoke bearer tokens over gRPC."""
+"""The Tokens service: administrators create, list and revoke bearer tokens over gRPC. In local
+mode there are no tokens, and each call says so."""
 
 from __future__ import annotations
 
 import logging
 
+from vault.errors import FailedPrecondition
 from vault.server.auth import caller
 from vault.server.edge import Service, unary
 from vault.server.tokens import TokenInfo, TokenStore
@@ -27,9 +29,18 @@ def _token(info: TokenInfo) -> pb.TokenInfo:
 class TokensService(Service, rpc.TokensServicer):
     rpc_service = "Tokens"
 
-    def __init__(self, tokens: TokenStore) -> None:
-        self.tokens = tokens
+    def __init__(self, tokens: TokenStore | None) -> None:
+        self._tokens = tokens
         self.inline = False
+
+    @property
+    def tokens(self) -> TokenStore:
+        if self._tokens is None:
+            raise FailedPrecondition(
+                'this vault has no tokens: they need auth.mode = "credentials" in the '
+                "vault's configuration (local mode serves only its host's one user)"
+            )
+        return self._tokens
 
     @unary
     def CreateToken(self, request: pb.CreateTokenRequest) -> pb.CreateTokenResponse:
