@@ -85,6 +85,11 @@ def test_a_handed_off_put_and_get_match_sha256sum_and_b3sum(
     ]
     assert [p for p in tmp_path.iterdir() if "partial" in p.name] == []
 
+    # A blob small enough to be read whole in one trip still comes through the pipe.
+    tiny = client.put(b"tiny blob", handoff=False).blob
+    client.get(str(tiny.sha256), tmp_path / "tiny.out", handoff=True)
+    assert (tmp_path / "tiny.out").read_bytes() == b"tiny blob"
+
 
 def test_streamed_and_handed_off_puts_store_the_same_blob(
     client: VaultClient, tmp_path: Path
@@ -210,7 +215,7 @@ def refusal(info: pb.HandoffInfo, fds: list[int], message: bytes) -> str:
         return connection.recv(1024).decode()
 
 
-def test_the_socket_takes_only_regular_files_opened_as_its_mode_needs(
+def test_the_socket_takes_files_for_reading_and_only_pipes_for_writing(
     client: VaultClient, tmp_path: Path
 ) -> None:
     info = desk(client)
@@ -219,16 +224,22 @@ def test_the_socket_takes_only_regular_files_opened_as_its_mode_needs(
     write_file(source, 100)
     read_only = os.open(source, os.O_RDONLY)
     write_only = os.open(source, os.O_WRONLY)
-    appending = os.open(source, os.O_RDWR | os.O_APPEND)
+    read_write = os.open(source, os.O_RDWR)
     try:
-        assert refusal(info, [read_end], b"read") == "error only regular files can be handed off\n"
-        assert refusal(info, [read_only], b"write") == (
-            "error a file handed off for writing was opened read-only\n"
+        assert refusal(info, [read_end], b"read") == (
+            "error only regular files can be handed off for reading\n"
         )
         assert refusal(info, [write_only], b"read") == (
             "error a file handed off for reading was opened write-only\n"
         )
-        assert "must not be opened for appending" in refusal(info, [appending], b"write")
+        for fd in (read_only, write_only, read_write):
+            assert refusal(info, [fd], b"write") == (
+                "error only the write end of a pipe can be handed off for a get: "
+                "the server writes no file\n"
+            )
+        assert refusal(info, [read_end], b"write") == (
+            "error the pipe handed off for a get is not its write end\n"
+        )
         assert "unknown handoff mode 'delete'" in refusal(info, [read_only], b"delete")
         assert "expected one file descriptor, got 2" in refusal(
             info, [read_only, write_only], b"read"
@@ -236,7 +247,7 @@ def test_the_socket_takes_only_regular_files_opened_as_its_mode_needs(
         with pytest.raises(OSError, match="belongs to another vault server"):
             hand_off(info.socket, "0" * 32, read_only, "read")
     finally:
-        for fd in (read_end, write_end, read_only, write_only, appending):
+        for fd in (read_end, write_end, read_only, write_only, read_write):
             os.close(fd)
 
 

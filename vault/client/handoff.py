@@ -1,6 +1,11 @@
-"""The client's half of the file handoff (the server's is `vault.store.handoff`): on the vault's
-own host, park an open file at the server's handoff socket and name the ticket it answers in a
-Put or Get, instead of carrying the bytes in gRPC messages.
+"""The client's half of the file handoff (the server's is `vault.store.handoff`, which says why
+it is built so): on the vault's own host, park a descriptor at the server's handoff socket and
+name the ticket it answers in a Put or Get, instead of carrying the bytes in gRPC messages.
+
+Whatever answers on the socket keeps what it is handed. A put hands its source file read-only,
+and only to a peer that could not open that file for writing itself (a descriptor can be
+opened again through /proc with the file's own permissions, whatever folder hides it); a get
+hands the write end of a pipe, never a file.
 
 On the socket, the client sends one message, `read` or `write` (what the server may do with
 the file), with the descriptor attached; the server answers one line, `ok INSTANCE TICKET` or
@@ -8,9 +13,16 @@ the file), with the descriptor attached; the server answers one line, `ok INSTAN
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import select
 import socket
+import stat
+import struct
 from typing import Final, Literal
 
+from vault.errors import IntegrityError, Unavailable
 from vault.files import unix_address
 
 Mode = Literal["read", "write"]
@@ -20,6 +32,11 @@ Mode = Literal["read", "write"]
 HANDOFF_MIN: Final = 8 * 1024 * 1024
 _ANSWER_MAX: Final = 1024
 _ANSWER_WITHIN: Final = 5.0
+# The server writes a chunk into the pipe as soon as it has sent word of it: a pipe that stays
+# empty longer than this is a server that stopped.
+PIPE_STALL: Final = 60.0
+# A chunk fits in the pipe, so the server never waits on this client to write the next one.
+_PIPE_SIZE: Final = 1 << 20
 
 
 def hand_off(socket_path: str, instance: str, fd: int, mode: Mode) -> str:
@@ -30,6 +47,8 @@ def hand_off(socket_path: str, instance: str, fd: int, mode: Mode) -> str:
         connection.settimeout(_ANSWER_WITHIN)
         with unix_address(socket_path) as address:
             connection.connect(address)
+        if mode == "read":
+            _lends_nothing_more(fd, connection)
         socket.send_fds(connection, [mode.encode()], [fd])
         answer = b""
         while not answer.endswith(b"\n") and len(answer) < _ANSWER_MAX:
@@ -46,3 +65,71 @@ def hand_off(socket_path: str, instance: str, fd: int, mode: Mode) -> str:
     if word == "error":
         raise OSError(f"the handoff socket refused the file: {rest}")
     raise OSError(f"the handoff socket at {socket_path} gave no answer")
+
+
+def open_pipe() -> tuple[int, int]:
+    """A pipe (read end, write end) for a get through the handoff, as large as a chunk where
+    the system lets it be."""
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(read_end, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
+    return read_end, write_end
+
+
+def read_piped(fd: int, size: int, within: float = PIPE_STALL) -> memoryview:
+    """The next `size` bytes from the pipe handed off for a get; IntegrityError if it ends
+    first, Unavailable if it stays empty for `within` seconds."""
+    data = bytearray(size)
+    view = memoryview(data)
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    got = 0
+    while got < size:
+        if not poller.poll(within * 1000):
+            raise Unavailable(
+                f"the vault server wrote nothing into the pipe for {within:g} seconds"
+            )
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            raise IntegrityError(
+                f"the pipe of a get through the handoff ended {size - got} bytes before "
+                "the end of a chunk"
+            )
+        got += n
+    # A fresh buffer for each chunk: the hashing thread may still read it while the next fills.
+    return view
+
+
+def _lends_nothing_more(fd: int, connection: socket.socket) -> None:
+    """Refuse (OSError) to hand the file `fd` for reading to the peer of `connection` if that
+    peer could open it for writing through the descriptor: a uid other than this process's and
+    root's, to whom the file's permissions give write."""
+    creds = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", creds)
+    if uid in (0, os.geteuid()):
+        return  # it may already open whatever this process may
+    info = os.fstat(fd)
+    writable = bool(info.st_mode & stat.S_IWOTH) or (
+        info.st_uid == uid and bool(info.st_mode & stat.S_IWUSR)
+    )
+    if not writable and info.st_mode & stat.S_IWGRP:
+        writable = _in_group(pid, gid, info.st_gid)
+    if writable:
+        raise OSError(
+            f"the handoff socket's owner (uid {uid}) may write the file: it is not handed off"
+        )
+
+
+def _in_group(pid: int, gid: int, group: int) -> bool:
+    """Whether process `pid` (of primary group `gid`) is in `group`; True when its groups
+    cannot be read."""
+    if group == gid:
+        return True
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return group in {int(g) for g in line.split()[1:]}
+    except (OSError, ValueError):
+        pass
+    return True

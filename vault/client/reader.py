@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from typing import Any, Final
 import blake3
 
 from vault.client.channel import rpc_errors
+from vault.client.handoff import read_piped
 from vault.client.results import BlobInfo
 from vault.digest import Digest
 from vault.errors import IntegrityError
@@ -77,8 +77,8 @@ class BlobReader(io.RawIOBase):
     ) -> None:
         super().__init__()
         self._responses = responses
-        # The caller's file, handed to the server, which writes each chunk into it instead of
-        # sending its bytes; the bytes are read back from it here and checked as if received.
+        # The read end of the pipe handed to the server, which writes each chunk into it
+        # instead of sending its bytes; they are checked here as if received.
         self._handed_off = handed_off
         header = _header(responses, requested)
         self.info = BlobInfo.from_wire(header.blob)
@@ -131,19 +131,16 @@ class BlobReader(io.RawIOBase):
         self._position += hi - lo
         return True
 
-    def _written(self, chunk: pb.Chunk) -> bytes:
-        """What the server wrote into the handed-off file for this chunk."""
+    def _written(self, chunk: pb.Chunk) -> memoryview:
+        """This chunk's bytes, which the server wrote into the pipe handed off for the get."""
         assert self._handed_off is not None
         if chunk.data:
-            raise IntegrityError("the server sent bytes for a get into a handed-off file")
-        wanted = max(min(self._chunk_size, self._end - chunk.offset), 0)
-        data = os.pread(self._handed_off, wanted, chunk.offset)
-        if len(data) != wanted:
+            raise IntegrityError("the server sent bytes for a get into a handed-off pipe")
+        if chunk.offset != self._position:
             raise IntegrityError(
-                f"{self._requested}: the server wrote {len(data)} bytes at offset "
-                f"{chunk.offset}, expected {wanted}"
+                f"{self._requested}: chunk at offset {chunk.offset} is out of order"
             )
-        return data
+        return read_piped(self._handed_off, max(min(self._chunk_size, self._end - chunk.offset), 0))
 
     def readinto(self, buffer: Any) -> int:
         """Verified bytes into `buffer`; IntegrityError for a chunk that fails its check, a

@@ -18,7 +18,7 @@ from typing import IO, Any, Final
 import blake3
 
 from vault.client.channel import rpc_errors
-from vault.client.handoff import HANDOFF_MIN, Mode, hand_off
+from vault.client.handoff import HANDOFF_MIN, Mode, hand_off, open_pipe
 from vault.client.partial import (
     check_still_ours,
     create_partial,
@@ -440,31 +440,46 @@ class Transfer:
         blob's description and the start and length of [offset, offset + length) in it, which
         is refused as soon as the blob's size is known if it reaches beyond the end.
 
-        A client on the vault's own host hands the file to the server, which writes each chunk
-        into it (vault.client.handoff); the client checks the whole digest of what it reads
-        back. `handoff=False` streams; `handoff=True` fails if the handoff cannot be had."""
+        A client on the vault's own host hands the server the write end of a pipe, never the
+        file (vault.store.handoff says why): the server writes each verified chunk into it,
+        and this client reads, hashes and writes the file itself. `handoff=False` streams;
+        `handoff=True` fails if the handoff cannot be had."""
         ticket = None
+        read_end = None
         if handoff is not False:
-            ticket = self._hand_off(fd, "write", required=bool(handoff))
-        request = pb.GetRequest(digest=str(wanted), handoff=ticket or "")
-        with rpc_errors():
-            # Nothing of `fd` is handed on before the whole digest matched, so per-chunk checks
-            # add nothing.
-            reader = BlobReader(
-                self._store.Get(request, timeout=self._timeout),
-                wanted,
-                check_chunks=False,
-                handed_off=fd if ticket else None,
-            )
-        info = reader.info
-        start, count = _range_of(info, offset, length)
-        for piece in reader.chunks():
-            if not ticket:
+            read_end, write_end = open_pipe()
+            try:
+                ticket = self._hand_off(write_end, "write", required=bool(handoff))
+            except BaseException:
+                os.close(read_end)
+                raise
+            finally:
+                # Only the server holds the write end now: the pipe ends when it closes it.
+                os.close(write_end)
+            if ticket is None:
+                os.close(read_end)
+                read_end = None
+        try:
+            request = pb.GetRequest(digest=str(wanted), handoff=ticket or "")
+            with rpc_errors():
+                # Nothing of `fd` is handed on before the whole digest matched, so per-chunk
+                # checks add nothing.
+                reader = BlobReader(
+                    self._store.Get(request, timeout=self._timeout),
+                    wanted,
+                    check_chunks=False,
+                    handed_off=read_end,
+                )
+            info = reader.info
+            start, count = _range_of(info, offset, length)
+            for piece in reader.chunks():
                 write_all(fd, piece)
-            if progress:
-                progress(len(piece))
-        if ticket and os.fstat(fd).st_size != info.size:
-            raise IntegrityError(f"{wanted}: the server wrote past the end of the blob")
+                if progress:
+                    progress(len(piece))
+        finally:
+            # Closed before the file is used: what the server writes after, it writes nowhere.
+            if read_end is not None:
+                os.close(read_end)
         return info, start, count
 
 

@@ -13,14 +13,13 @@ from typing import Any, Final
 
 from vault.digest import Digest
 from vault.errors import FailedPrecondition, IntegrityError, InvalidArgument
-from vault.files import pwrite_all
 from vault.ledger.log import Ledger
 from vault.server.blob_audit import BlobAudit
 from vault.server.content import Content, StoredBlob
 from vault.server.edge import Service, abort, client_stream, stream, streaming, unary
 from vault.server.ledger_service import entry_message
 from vault.store.chunks import CHUNK_SIZE
-from vault.store.handoff import Desk, Mode, read_handed_off
+from vault.store.handoff import Desk, Mode, read_handed_off, write_handed_off
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
@@ -179,7 +178,9 @@ class StoreService(Service, rpc.StoreServicer):
     def _small_get(self, request: pb.GetRequest) -> tuple[StoredBlob, list[pb.GetResponse] | None]:
         """The blob asked for, and all the messages of its get if it is small (else None)."""
         blob = self.content.get(Digest.parse(request.digest))
-        if blob.info.size > self.SMALL_GET:
+        # A get into a handed-off pipe streams: read whole first, the chunks would have to fit
+        # in the pipe before the caller is told to read any of them.
+        if blob.info.size > self.SMALL_GET or request.handoff:
             return blob, None
         return blob, list(self._get(request, blob))
 
@@ -206,8 +207,11 @@ class StoreService(Service, rpc.StoreServicer):
                         chunk=pb.Chunk(offset=chunk.offset, data=chunk.data, hash=chunk.hash)
                     )
                 else:
-                    pwrite_all(target, chunk.data, chunk.offset)
+                    # The message goes first, so the caller reads the chunk from the pipe while
+                    # this thread writes it, whatever the pipe holds; the stream's worker runs
+                    # on to this write as soon as the message is handed over.
                     yield pb.GetResponse(chunk=pb.Chunk(offset=chunk.offset, hash=chunk.hash))
+                    write_handed_off(target, chunk.data)
         finally:
             if target is not None:
                 os.close(target)
