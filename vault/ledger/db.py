@@ -10,6 +10,7 @@ import shutil
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -25,10 +26,12 @@ from sqlalchemy import (
     LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
+    Select,
     Table,
     Text,
     create_engine,
     event,
+    select,
     text,
 )
 from sqlalchemy.engine import Connection, ExceptionContext, make_url
@@ -185,57 +188,130 @@ def disk_full(url: str, error: BaseException) -> ResourceExhausted | None:
     return None
 
 
+class _ReadConnection:
+    """One thread's read connection, held in the thread's `threading.local`: when the thread
+    ends its locals are dropped, and with them this holder, whose finalizer gives the
+    connection back to the pool. A server whose threads come and go (one a request, say) so
+    keeps no connection of a thread that is gone."""
+
+    def __init__(self, raw: Any, held: _Held) -> None:
+        self.raw = raw
+        driver = raw.driver_connection
+        assert driver is not None
+        self.driver: Any = driver
+        held.add(raw)
+        self.give_back = weakref.finalize(self, held.give_back, raw)
+
+
+class _Held:
+    """The read connections the threads hold now, so that `Database.dispose` closes those of
+    threads still running; each leaves this set when it goes back to the pool."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._raws: set[Any] = set()
+
+    def add(self, raw: Any) -> None:
+        with self._lock:
+            self._raws.add(raw)
+
+    def give_back(self, raw: Any) -> None:
+        with self._lock:
+            if raw not in self._raws:
+                return
+            self._raws.discard(raw)
+        with suppress(Exception):  # a broken connection is discarded by the pool
+            raw.close()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._raws)
+
+    def give_all_back(self) -> None:
+        with self._lock:
+            raws, self._raws = self._raws, set()
+        for raw in raws:
+            with suppress(Exception):
+                raw.close()
+
+
 @dataclass(frozen=True)
 class Database:
     """Two engines on one database: `read` for queries, `write` for the single appender.
 
     `fetch` is the hot read path (look-ups, existence checks): plain SQL on a connection each
-    thread keeps, in autocommit, without SQLAlchemy's per-statement machinery."""
+    thread keeps while it lives, in autocommit, without SQLAlchemy's per-statement machinery."""
 
     url: str
     read: Engine
     write: Engine
     _local: threading.local = field(default_factory=threading.local)
-    _held: list[Any] = field(default_factory=list)
+    _held: _Held = field(default_factory=_Held)
     _subjects: list[SubjectIndex] = field(default_factory=list)
     is_sqlite: bool = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "is_sqlite", self.read.dialect.name == "sqlite")
 
+    @property
+    def held(self) -> int:
+        """How many threads hold a read connection of `fetch` now."""
+        return len(self._held)
+
     def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         """Run one query written with `?` placeholders and return all its rows."""
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = self._raw_connection()
+        conn = self._connection()
         try:
             if self.is_sqlite:
-                rows: list[tuple[Any, ...]] = conn.execute(sql, params).fetchall()
+                rows: list[tuple[Any, ...]] = conn.driver.execute(sql, params).fetchall()
                 return rows
-            with conn.cursor() as cursor:
+            with conn.driver.cursor() as cursor:
                 cursor.execute(sql.replace("?", "%s"), params)
                 return list(cursor.fetchall())
         except Exception:
             # A broken connection must not be reused by this thread.
-            self._local.conn = None
+            self._drop(conn)
             raise
 
     def snapshot(self, queries: Sequence[tuple[str, Sequence[Any]]]) -> list[list[tuple[Any, ...]]]:
         """Several queries (`?` placeholders) read in one SQLite transaction: one moment of
         the database, whatever commits meanwhile."""
         assert self.is_sqlite, "snapshots of several queries are read on SQLite only"
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = self._raw_connection()
+        conn = self._connection()
         try:
-            conn.execute("BEGIN")
+            conn.driver.execute("BEGIN")
             try:
-                return [conn.execute(sql, params).fetchall() for sql, params in queries]
+                return [conn.driver.execute(sql, params).fetchall() for sql, params in queries]
             finally:
-                conn.execute("COMMIT")
+                conn.driver.execute("COMMIT")
         except Exception:
-            self._local.conn = None
+            self._drop(conn)
             raise
+
+    def naming_queries(
+        self,
+        columns: str,
+        keys: Sequence[bytes],
+        *,
+        where: str = "",
+        params: Sequence[Any] = (),
+        limit: int | None = None,
+    ) -> list[tuple[str, list[Any]]]:
+        """The statements `naming` runs, with their parameters (see there)."""
+        if not keys:
+            return []
+        if not self.is_sqlite:
+            sql = (
+                f"SELECT {columns} FROM entry_subjects s JOIN entries e ON e.idx = s.idx "
+                f"WHERE s.digest IN ({placeholders(len(keys))}){where} ORDER BY s.idx"
+            )
+            return [(sql + ("" if limit is None else f" LIMIT {int(limit)}"), [*keys, *params])]
+        indexes = self.subjects.indexes(keys, limit)
+        per = _SQLITE_BOUND_VALUES - len(keys) - len(params)
+        return [
+            (naming_by_index(columns, len(keys), where, len(part)), [*keys, *params, *part])
+            for part in (indexes[start : start + per] for start in range(0, len(indexes), per))
+        ]
 
     def naming(
         self,
@@ -250,24 +326,11 @@ class Database:
         (raw digest keys), in index order, the first `limit` only if given; `where` adds a
         condition (`AND ...`) with its `params`. On SQLite the subject index gives the entries'
         indexes and the join keeps only those whose rows name one of `keys`."""
-        if not keys:
-            return []
-        sql = (
-            f"SELECT {columns} FROM entry_subjects s JOIN entries e ON e.idx = s.idx "
-            f"WHERE s.digest IN ({placeholders(len(keys))}){where}"
-        )
-        if not self.is_sqlite:
-            tail = " ORDER BY s.idx" + ("" if limit is None else f" LIMIT {int(limit)}")
-            return self.fetch(sql + tail, [*keys, *params])
         found: list[tuple[Any, ...]] = []
-        indexes = self.subjects.indexes(keys, limit)
-        per = _SQLITE_BOUND_VALUES - len(keys) - len(params)
-        for start in range(0, len(indexes), per):
-            part = indexes[start : start + per]
-            found += self.fetch(
-                sql + f" AND s.idx IN ({placeholders(len(part))}) ORDER BY s.idx",
-                [*keys, *params, *part],
-            )
+        for sql, values in self.naming_queries(
+            columns, keys, where=where, params=params, limit=limit
+        ):
+            found += self.fetch(sql, values)
         return found
 
     @property
@@ -279,21 +342,60 @@ class Database:
             self._subjects[:] = [index]
         return index
 
-    def _raw_connection(self) -> Any:
-        raw = self.read.raw_connection()
-        self._held.append(raw)
-        driver = raw.driver_connection
-        assert driver is not None
-        if not self.is_sqlite:
-            driver.autocommit = True
-        return driver
+    def _connection(self) -> _ReadConnection:
+        conn: _ReadConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = _ReadConnection(self.read.raw_connection(), self._held)
+            if not self.is_sqlite:
+                conn.driver.autocommit = True
+        return conn
+
+    def _drop(self, conn: _ReadConnection) -> None:
+        self._local.conn = None
+        conn.give_back()
 
     def dispose(self) -> None:
-        for raw in self._held:
-            raw.close()
-        self._held.clear()
+        self._held.give_all_back()
         self.read.dispose()
         self.write.dispose()
+
+
+def listing(
+    start: int,
+    limit: int,
+    *,
+    kind: str | None = None,
+    author: str | None = None,
+    since: str | None = None,
+    until: str | None = None,
+) -> Select[int, bytes]:
+    """The log (`vault log`): the first `limit` entries from index `start` that match the
+    filters given (an empty one matches all), in index order."""
+    e = entries
+    query = select(e.c.idx, e.c.body).where(e.c.idx >= start)
+    if kind:
+        query = query.where(e.c.kind == kind)
+    if author:
+        query = query.where(e.c.author == author)
+    if since:
+        query = query.where(e.c.time >= since)
+    if until:
+        query = query.where(e.c.time < until)
+    return query.order_by(e.c.idx).limit(limit)
+
+
+def naming_by_index(columns: str, keys: int, where: str, indexes: int) -> str:
+    """On SQLite, `columns` of the entries among `indexes` (given by the subject index) whose
+    subject rows name one of `keys`. Each entry's rows are found by its index alone, and the
+    digest only tested on them (`+`: no index of it): keyed by (idx, digest), the rows would
+    otherwise be probed once for every pair of an index and a digest. CROSS JOIN keeps the
+    subject rows the outer loop, so that a condition on the entries (`where`) is tested on
+    the entries found, never by a walk of the entries it matches."""
+    return (
+        f"SELECT {columns} FROM entry_subjects s CROSS JOIN entries e ON e.idx = s.idx "
+        f"WHERE +s.digest IN ({placeholders(keys)}){where} "
+        f"AND s.idx IN ({placeholders(indexes)}) ORDER BY s.idx"
+    )
 
 
 class Transaction:

@@ -32,6 +32,7 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import closing, suppress
 from pathlib import Path
@@ -94,12 +95,24 @@ def _uri(path: Path | str, **options: str) -> str:
 
 def _open_run(path: Path) -> sqlite3.Connection:
     # immutable: a run is never written once named, so no lock is taken and no change looked for.
-    conn = sqlite3.connect(_uri(path, mode="ro", immutable="1"), uri=True)
+    # Not checked for its thread: a thread's connections are closed as it ends (`_Runs`).
+    conn = sqlite3.connect(_uri(path, mode="ro", immutable="1"), uri=True, check_same_thread=False)
     # Every server thread keeps a connection to each run: its pages are read through a shared
     # mapping of the file (the OS page cache), not copied into a cache of each connection's.
     conn.execute(f"PRAGMA mmap_size={_RUN_MAP}")
     conn.execute(f"PRAGMA cache_size=-{_RUN_CACHE_KIB}")
     return conn
+
+
+def index_queries(keys: int, limit: int | None = None) -> tuple[str, str]:
+    """A look-up's queries of `subject_recent` and of a run: the indexes of the entries naming
+    any of `keys` digests, the first `limit` only if given."""
+    marks = ",".join("?" * keys)
+    tail = "" if limit is None else f" ORDER BY idx LIMIT {int(limit)}"
+    return (
+        f"SELECT idx FROM subject_recent WHERE digest IN ({marks}){tail}",
+        f"SELECT idx FROM run WHERE digest IN ({marks}){tail}",
+    )
 
 
 # Several queries (`?` placeholders) read in one transaction: each one's rows.
@@ -108,6 +121,23 @@ Snapshot = Callable[[Sequence[tuple[str, Sequence[Any]]]], list[list[tuple[Any, 
 
 class _Gone(Exception):
     """A run named in the snapshot a look-up read is no longer there (a fold replaced it)."""
+
+
+class _Runs:
+    """One thread's connections to the runs, by name, held in the thread's `threading.local`:
+    they are closed when the thread ends rather than when the collector finds them, so that
+    threads that come and go leave no descriptor of a run open."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, sqlite3.Connection] = {}
+        weakref.finalize(self, _close_all, self.open)
+
+
+def _close_all(runs: dict[str, sqlite3.Connection]) -> None:
+    for conn in runs.values():
+        with suppress(sqlite3.Error):
+            conn.close()
+    runs.clear()
 
 
 class SubjectIndex:
@@ -124,10 +154,7 @@ class SubjectIndex:
         first `limit` only, if given."""
         if not keys:
             return []
-        marks = ",".join("?" * len(keys))
-        tail = "" if limit is None else f" ORDER BY idx LIMIT {int(limit)}"
-        recent_sql = f"SELECT idx FROM subject_recent WHERE digest IN ({marks}){tail}"
-        run_sql = f"SELECT idx FROM run WHERE digest IN ({marks}){tail}"
+        recent_sql, run_sql = index_queries(len(keys), limit)
         for _ in range(_ATTEMPTS):
             recent, runs = self._snapshot(
                 [(recent_sql, list(keys)), ("SELECT name FROM subject_runs", [])]
@@ -153,10 +180,10 @@ class SubjectIndex:
         )
 
     def _runs(self) -> dict[str, sqlite3.Connection]:
-        runs: dict[str, sqlite3.Connection] | None = getattr(self._local, "runs", None)
+        runs: _Runs | None = getattr(self._local, "runs", None)
         if runs is None:
-            runs = self._local.runs = {}
-        return runs
+            runs = self._local.runs = _Runs()
+        return runs.open
 
     def _run(self, name: str) -> sqlite3.Connection:
         runs = self._runs()

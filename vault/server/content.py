@@ -32,6 +32,41 @@ _QUERY_BATCH: Final = 450
 # Digests `lacking` looks up in one query.
 _LOOKUP_BATCH: Final = 10_000
 
+# The catalogue's queries on the hot path, here so that the tests of their query plans read the
+# statements the server runs. `{0}`: a batch's placeholders.
+FIND: Final = "SELECT sha256, blake3, size, stored_at FROM blobs WHERE {} = ?"
+FIND_MANY: Final = "SELECT sha256, blake3, size, stored_at FROM blobs WHERE sha256 IN ({0})"
+# FindMissing: the rows naming a batch of digests by either name (the batch given twice).
+PRESENT: Final = "SELECT sha256, blake3 FROM blobs WHERE sha256 IN ({0}) OR blake3 IN ({0})"
+
+# The places in a batch of the digests that are not catalogued, as one list ("4,17,…")
+# or NULL. The batch is one parameter, so the database, not Python, makes each digest's
+# text and looks it up: SQLite takes it in hex (a blob, which substr slices in place),
+# PostgreSQL raw.
+_LACKING_SQLITE: Final = (
+    "WITH RECURSIVE i(n) AS (SELECT 0 UNION ALL SELECT n + 64 FROM i WHERE n + 64 < length(?1))"
+    " SELECT group_concat(n / 64) FROM i WHERE NOT EXISTS"
+    " (SELECT 1 FROM blobs WHERE sha256 = 'sha256:' || substr(?1, n + 1, 64))"
+)
+_LACKING_POSTGRES: Final = (
+    "SELECT string_agg((n / 32)::text, ',') FROM generate_series(0, length(?) - 32, 32) AS n"
+    " WHERE NOT EXISTS (SELECT 1 FROM blobs"
+    " WHERE sha256 = 'sha256:' || encode(substring(? FROM n + 1 FOR 32), 'hex'))"
+)
+
+
+def batch_query(sql: str, values: Sequence[str], *, times: int = 1) -> tuple[str, list[str]]:
+    """`sql` for one batch of `values`: its `{0}` placeholders are the batch, `times` over."""
+    return sql.format(tables.placeholders(len(values))), list(values) * times
+
+
+def lacking_query(sha256s: Sequence[bytes], *, sqlite: bool) -> tuple[str, tuple[bytes, ...]]:
+    """The query of the places in `sha256s` (32 raw bytes each) not catalogued."""
+    joined = b"".join(sha256s)
+    if sqlite:
+        return _LACKING_SQLITE, (binascii.hexlify(joined),)
+    return _LACKING_POSTGRES, (joined, joined)
+
 
 @dataclass(frozen=True, slots=True)
 class StoredBlob:
@@ -178,21 +213,17 @@ class Content:
 
     # ------------------------------------------------------------------ reads
 
-    _FIND = "SELECT sha256, blake3, size, stored_at FROM blobs WHERE {} = ?"
-
     def find(self, digest: Digest) -> StoredBlob | None:
-        rows = self.db.fetch(self._FIND.format(digest.algorithm), (str(digest),))
+        rows = self.db.fetch(FIND.format(digest.algorithm), (str(digest),))
         if not rows:
             return None
         sha, b3, size, stored_at = rows[0]
         return StoredBlob(BlobInfo(Digest.parse(sha), Digest.parse(b3), size), stored_at)
 
-    _FIND_MANY = "SELECT sha256, blake3, size, stored_at FROM blobs WHERE sha256 IN ({0})"
-
     def find_many(self, sha256s: Iterable[str]) -> dict[str, StoredBlob]:
         """The catalogued blobs among these sha256 digests (well-formed, as text), by digest."""
         found: dict[str, StoredBlob] = {}
-        for _, rows in self._batches(self._FIND_MANY, list(dict.fromkeys(sha256s))):
+        for _, rows in self._batches(FIND_MANY, list(dict.fromkeys(sha256s))):
             for sha, b3, size, stored_at in rows:
                 found[sha] = StoredBlob(
                     BlobInfo(Digest.parse(sha), Digest.parse(b3), size), stored_at
@@ -206,8 +237,7 @@ class Content:
         the batch, `times` over."""
         for start in range(0, len(values), _QUERY_BATCH):
             part = values[start : start + _QUERY_BATCH]
-            sql_for = sql.format(tables.placeholders(len(part)))
-            yield part, self.db.fetch(sql_for, list(part) * times)
+            yield part, self.db.fetch(*batch_query(sql, part, times=times))
 
     def get(self, digest: Digest) -> StoredBlob:
         found = self.find(digest)
@@ -215,34 +245,17 @@ class Content:
             raise NotFound(f"blob {digest} is not in the store")
         return found
 
-    _PRESENT = "SELECT sha256, blake3 FROM blobs WHERE sha256 IN ({0}) OR blake3 IN ({0})"
-
     def find_missing(self, digests: Iterable[str]) -> list[str]:
         """The digests (as given) that the store does not hold, in the order given."""
         wanted = list(digests)
         for d in wanted:
             check_digest(d)
         present: set[str] = set()
-        for _, rows in self._batches(self._PRESENT, list(dict.fromkeys(wanted)), times=2):
+        for _, rows in self._batches(PRESENT, list(dict.fromkeys(wanted)), times=2):
             for sha, b3 in rows:
                 present.add(sha)
                 present.add(b3)
         return [d for d in wanted if d not in present]
-
-    # The places in a batch of the digests that are not catalogued, as one list ("4,17,…")
-    # or NULL. The batch is one parameter, so the database, not Python, makes each digest's
-    # text and looks it up: SQLite takes it in hex (a blob, which substr slices in place),
-    # PostgreSQL raw.
-    _LACKING_SQLITE: Final = (
-        "WITH RECURSIVE i(n) AS (SELECT 0 UNION ALL SELECT n + 64 FROM i WHERE n + 64 < length(?1))"
-        " SELECT group_concat(n / 64) FROM i WHERE NOT EXISTS"
-        " (SELECT 1 FROM blobs WHERE sha256 = 'sha256:' || substr(?1, n + 1, 64))"
-    )
-    _LACKING_POSTGRES: Final = (
-        "SELECT string_agg((n / 32)::text, ',') FROM generate_series(0, length(?) - 32, 32) AS n"
-        " WHERE NOT EXISTS (SELECT 1 FROM blobs"
-        " WHERE sha256 = 'sha256:' || encode(substring(? FROM n + 1 FOR 32), 'hex'))"
-    )
 
     def lacking(self, sha256s: Sequence[bytes]) -> set[bytes]:
         """Those of these SHA-256 digests (32 raw bytes each) that are not catalogued. Given in
@@ -252,11 +265,7 @@ class Content:
         lacking: set[bytes] = set()
         for start in range(0, len(sha256s), _LOOKUP_BATCH):
             part = sha256s[start : start + _LOOKUP_BATCH]
-            joined = b"".join(part)
-            if self.db.is_sqlite:
-                ((places,),) = self.db.fetch(self._LACKING_SQLITE, (binascii.hexlify(joined),))
-            else:
-                ((places,),) = self.db.fetch(self._LACKING_POSTGRES, (joined, joined))
+            ((places,),) = self.db.fetch(*lacking_query(part, sqlite=self.db.is_sqlite))
             if places:
                 lacking.update(map(part.__getitem__, map(int, places.split(","))))
         return lacking
