@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.services.vault_server import run_vault
 from vault.errors import InvalidArgument, VerificationError
 from vault.ledger.checkpoint import Checkpoint, SigningKey, Verifier
 from vault.ledger.merkle import EMPTY_ROOT, leaf_hash
@@ -328,6 +329,26 @@ def test_a_corrupt_key_file_is_refused_by_name(tmp_path: Path) -> None:
     path.write_text("PRIVATE+KEY+x+00000000+AAAA\n")
     with pytest.raises(InvalidArgument, match=str(path)):
         SigningKey.load(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "complaint"),
+    [
+        (bytes(range(256)), "not a key (not UTF-8 text)"),
+        (b"PRIVATE+KEY+x+00000000+AAAA\n", "malformed signing key"),
+    ],
+)
+def test_a_garbage_key_file_stops_serve_with_one_line(
+    tmp_path: Path, content: bytes, complaint: str
+) -> None:
+    key = tmp_path / "checkpoint.key"
+    key.write_bytes(content)
+    env = {"PINVAULT_DATA_DIR": str(tmp_path / "data"), "PINVAULT_LEDGER_KEY_FILE": str(key)}
+    run = run_vault("serve", "--listen", "127.0.0.1:0", env=env, timeout=60)
+    assert run.returncode == 2, run.describe()
+    line = run.error_line()
+    assert line.startswith(f"vault: INVALID_ARGUMENT: ledger.key_file: signing key file {key}: ")
+    assert complaint in line
 
 
 def test_the_seed_is_never_printed() -> None:

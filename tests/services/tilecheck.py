@@ -77,9 +77,13 @@ def run(
     *,
     leaves: Sequence[int] = (),
     old: Path | None = None,
+    checkpoint: Path | None = None,
 ) -> Outcome:
-    """Run the verifier; its exit status and its one line of output."""
+    """Run the verifier (on the signed checkpoint in the file `checkpoint`, else on the
+    endpoint's); its exit status and its one line of output."""
     command = [str(binary), "-url", url, "-key", key]
+    if checkpoint is not None:
+        command += ["-checkpoint", str(checkpoint)]
     if leaves:
         command += ["-leaf", ",".join(map(str, leaves))]
     if old is not None:

@@ -360,7 +360,17 @@ class SigningKey:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SigningKey:
-        text = Path(path).read_text(encoding="utf-8")
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise InvalidArgument(
+                f"cannot read signing key file {os.fspath(path)}: {exc.strerror or exc}"
+            ) from None
+        except UnicodeDecodeError:
+            raise InvalidArgument(
+                f"signing key file {os.fspath(path)}: not a key (not UTF-8 text); expected one "
+                f"line `{_PRIVATE_KEY_PREFIX}NAME+KEYID+KEY`"
+            ) from None
         try:
             return cls.from_string(text.strip())
         except InvalidArgument as exc:

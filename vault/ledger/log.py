@@ -10,6 +10,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
@@ -54,7 +55,7 @@ from vault.ledger.sequencer import (
 )
 from vault.ledger.subject_index import FOLD_ROWS
 from vault.ledger.tile_nodes import TileNodesFile
-from vault.ledger.tiles import TILE_HEIGHT, Tile, TileStore
+from vault.ledger.tiles import TILE_HEIGHT, ServedTiles, Tile, TileStore
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,10 @@ TILE_NODES: Final = "tile-nodes"
 LOAD_BATCH: Final = 1 << 16
 # Leaves whose low nodes the tree lets go of at once, once their tiles are on disk.
 RETIRE_STEP: Final = 1 << 16
+# Seconds between two checks of every tile on disk against the tree (the first is at start).
+TILES_CHECK_INTERVAL: Final = 600.0
+# Seconds between two logs of a ledger that still fails its check, once the first is logged.
+FAULT_LOGGED_EVERY: Final = 600.0
 
 
 _STOP: Final = object()
@@ -127,13 +132,16 @@ class Ledger:
         fold_rows: int = FOLD_ROWS,
         last_signed: Path | None = None,
         tiles: Path | None = None,
+        tiles_check_interval: float | None = TILES_CHECK_INTERVAL,
         writer: bool = True,
     ) -> None:
         """`last_signed`: a file outside the database where the server keeps the last
         checkpoint it signed; at start the stored entries must agree with it. `tiles`: the
-        folder of the tree's C2SP tlog-tiles, written after checkpoints are signed.
-        `writer`: whether a thread of this process writes the appends; without it, appends wait
-        for the link to a sequencer process (`attach`)."""
+        folder of the tree's C2SP tlog-tiles, written before checkpoints are signed, and every
+        file in it checked against the tree at start and every `tiles_check_interval` seconds
+        (None: only as the tiles endpoint serves them). `writer`: whether a thread of this
+        process writes the appends; without it, appends wait for the link to a sequencer
+        process (`attach`)."""
         self.db = db
         self.last_signed = None if last_signed is None else LastSigned(last_signed)
         self.tiles = None if tiles is None else TileStore(tiles)
@@ -171,15 +179,30 @@ class Ledger:
         # A ledger that fails its check still starts, so that an auditor can read it and
         # `vault verify` can say where it broke; appends and proofs past the break are refused.
         self.fault: VerificationError | None = None
+        # When the fault was last logged (time.monotonic).
+        self._fault_logged = 0.0
         try:
             self._open_tree()
             self._check_last_signed()
         except VerificationError as exc:
             self.fault = exc
             log.error("the stored ledger fails its check (%s); run `vault verify`", exc)
+            self._fault_logged = time.monotonic()
         self._latest = self._load_latest_checkpoint()
         if self.tiles is not None and self.fault is None:
             self._tiles_resumed = self.tiles.resume(self.verifier, self._tree.size, self._tree.root)
+            self._published = self._tiles_resumed
+        # What the tiles endpoint serves: only files that match the tree held.
+        self.served_tiles: ServedTiles | None = None
+        if self.tiles is not None:
+            self.served_tiles = ServedTiles(
+                self.tiles,
+                size=lambda: self._tree.size,
+                nodes=lambda height, start, end: self._tree.nodes(height, start, end),
+                rewrite=self._rewrite_tile,
+                checkpoint_matches=self._checkpoint_matches,
+                republish=self._republish,
+            )
         self._link: SequencerLink | None = None
         self._writer: threading.Thread | None = None
         if writer:
@@ -191,6 +214,15 @@ class Ledger:
             target=self._checkpoint_loop, args=(checkpoint_interval,), daemon=True
         )
         self._checkpointer.start()
+        self._tile_checker: threading.Thread | None = None
+        if self.served_tiles is not None and tiles_check_interval is not None:
+            self._tile_checker = threading.Thread(
+                target=self._tile_check_loop,
+                args=(tiles_check_interval,),
+                name="tile-check",
+                daemon=True,
+            )
+            self._tile_checker.start()
 
     # ------------------------------------------------------------------ appends
 
@@ -433,9 +465,24 @@ class Ledger:
             if size < min_size:
                 raise NotFound(f"the ledger has {size} entries, fewer than {min_size}")
             self._refuse_if_faulty("sign")
+            self._tiles_before_signing(size)
             signed = self._sign(size)
             self._latest = signed
             return signed
+
+    def _tiles_before_signing(self, size: int) -> None:
+        """Write the tiles of the tree of `size` leaves before it is signed, so that every
+        checkpoint handed out (over gRPC, to witnesses, in the tile folder) has its tiles.
+        They go unsynced here, off the appenders' path, and are synced before the checkpointer
+        publishes a checkpoint over them: a crash can lose those of sizes signed since, and the
+        first pass after a start writes the partial tiles of every signed size again and checks
+        every tile (see `write_tiles` and `check_tiles`). While a long catch-up of a folder that
+        had no tiles is under way, the checkpointer writes them instead."""
+        if self.tiles is None or not self._tiles_caught_up:
+            return
+        if size - self.tiles.complete > TILES_STEP:
+            return
+        self.tiles.write(size, self._tree.nodes, self._bodies, durable=False)
 
     def _sign(self, size: int) -> SignedCheckpoint:
         checkpoint = Checkpoint(origin=self.origin, size=size, root=self._tree.root(size))
@@ -464,12 +511,18 @@ class Ledger:
         while not self._closed.is_set():
             with self._tiles_lock:
                 latest = self._latest
-                if latest is None or self.fault is not None or latest.size <= self._published:
+                if self.fault is not None:
+                    return
+                if latest is None:
+                    # Nothing signed yet: from now on each signing writes its tiles first.
+                    self._tiles_caught_up = True
+                    return
+                if self._tiles_caught_up and latest.size <= self._published:
                     return
                 if latest.size - self.tiles.complete <= TILES_STEP:
                     self._write_tiles(latest.size)
                     self.tiles.publish(latest.note, latest.size)
-                    self._published = latest.size
+                    self._published = max(self._published, latest.size)
                     return
                 step = self.tiles.complete + TILES_STEP
                 self.tiles.write_full(step, self._tree.nodes, self._bodies)
@@ -489,13 +542,83 @@ class Ledger:
             self._published = latest.size
             return [tile.path for tile in bad]
 
+    def check_tiles(self) -> list[str]:
+        """Check every tile, entry bundle and the published checkpoint on disk against the tree
+        held, and write again from the database each one that is damaged or missing; returns
+        their paths (each also logged, and counted in `tiles_rewritten`)."""
+        if self.served_tiles is None or self.fault is not None:
+            return []
+        return self.served_tiles.sweep()
+
+    @property
+    def tiles_rewritten(self) -> int:
+        """Tile files found damaged or missing and written again since this server started."""
+        return 0 if self.served_tiles is None else self.served_tiles.rewritten
+
+    def publish_cosigned(self, note: str, size: int) -> None:
+        """Publish in the tile folder `note`, the checkpoint of `size` entries with the
+        witnesses' cosignature lines appended, in place of the same checkpoint without them (a
+        newer published checkpoint is kept)."""
+        if self.tiles is None or self.fault is not None:
+            return
+        with self._tiles_lock:
+            # Every size signed once the tiles are caught up has its tiles on disk already.
+            if self._published <= size <= self.tiles.complete:
+                self.tiles.publish(note, size)
+                self._published = size
+
+    def _tile_check_loop(self, interval: float) -> None:
+        # The first check once the checkpointer's first pass has had its turn.
+        delay = min(interval, 1.0)
+        while not self._closed.wait(delay):
+            delay = interval
+            try:
+                bad = self.check_tiles()
+            except Exception:
+                log.exception("checking the ledger's tiles failed")
+                continue
+            if bad:
+                log.warning(
+                    "checked the ledger's tiles: %d written again (%s)",
+                    len(bad),
+                    ", ".join(bad[:5]),
+                )
+
+    def _rewrite_tile(self, tile: Tile) -> None:
+        assert self.tiles is not None
+        with self._tiles_lock:
+            self.tiles.rewrite([tile], self._tree.nodes, self._bodies)
+
+    def _checkpoint_matches(self, note: bytes) -> bool:
+        try:
+            checkpoint = self.verifier.open(note.decode("utf-8"))
+        except (UnicodeDecodeError, VerificationError):
+            return False
+        return checkpoint.size <= self._tree.size and checkpoint.root == self._tree.root(
+            checkpoint.size
+        )
+
+    def _republish(self) -> None:
+        """Publish again the checkpoint the tile folder should hold (its file was damaged)."""
+        assert self.tiles is not None
+        with self._tiles_lock:
+            note = self.tiles.published_note
+            if not note or not self._checkpoint_matches(note.encode()):
+                latest = self._latest
+                if latest is None or latest.size != self.tiles.published:
+                    return
+                note = latest.note
+            self.tiles.publish(note, self.tiles.published, again=True)
+
     def _write_tiles(self, size: int) -> None:
         """The tiles of the tree of `size` leaves (the caller holds the checkpoint lock); the
         first time, also the partial tiles of every checkpoint signed since the tile folder's
         own."""
         assert self.tiles is not None
-        signed = () if self._tiles_caught_up else self._signed_sizes(self._tiles_resumed, size)
-        self.tiles.write(size, self._tree.nodes, self._bodies, signed)
+        # The first time, every signed size's partial tiles (a crash may have lost those written
+        # unsynced before signing); then those signed since the last published.
+        above = self._published if self._tiles_caught_up else 0
+        self.tiles.write(size, self._tree.nodes, self._bodies, self._signed_sizes(above, size))
         self._tiles_caught_up = True
 
     def _signed_sizes(self, above: int, upto: int) -> list[int]:
@@ -590,7 +713,14 @@ class Ledger:
         except VerificationError as exc:
             if str(exc) != str(self.fault):
                 log.error("the stored ledger fails its check (%s); run `vault verify`", exc)
+                self._fault_logged = time.monotonic()
             self.fault = exc
+        except IntegrityError as exc:
+            # A ledger that fails its check is refused every interval: said once, then slowly.
+            now = time.monotonic()
+            if now - self._fault_logged >= FAULT_LOGGED_EVERY:
+                log.error("%s; run `vault verify`", exc)
+                self._fault_logged = now
         except Exception as exc:
             if isinstance(exc, ResourceExhausted) or is_disk_full(exc):
                 # A full disk: tried again each interval, until space is freed.
@@ -662,16 +792,9 @@ class Ledger:
 
     def log(self, start: int, limit: int, where: LogFilter) -> list[StoredEntry]:
         e = tables.entries
-        query = select(e.c.idx, e.c.body).where(e.c.idx >= start)
-        if where.kind:
-            query = query.where(e.c.kind == where.kind)
-        if where.author:
-            query = query.where(e.c.author == where.author)
-        if where.since:
-            query = query.where(e.c.time >= where.since)
-        if where.until:
-            query = query.where(e.c.time < where.until)
-        query = query.order_by(e.c.idx).limit(limit)
+        query = tables.listing(
+            start, limit, kind=where.kind, author=where.author, since=where.since, until=where.until
+        )
         if where.digest:
             # Only entries the subject index gives, of those after `start`.
             key = digest_key(where.digest)
@@ -822,6 +945,8 @@ class Ledger:
             self._queue.put(_STOP)
             self._writer.join()
         self._checkpointer.join()
+        if self._tile_checker is not None:
+            self._tile_checker.join()
         if self._latest is not None and self.fault is None and self.last_signed:
             with contextlib.suppress(OSError):
                 self.last_signed.record(self._latest.note, self._latest.size)

@@ -5,15 +5,15 @@ entry bodies, so a missing or damaged one can always be written again."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import re
 import secrets
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -21,17 +21,45 @@ from vault.errors import DiskFull, Unavailable, VerificationError, is_disk_full
 from vault.files import fsync_dir, write_all
 from vault.ledger.checkpoint import Checkpoint, Verifier
 from vault.ledger.merkle import HASH_SIZE, leaf_hash
+from vault.ledger.tile_layout import (
+    CHECKPOINT,
+    ENTRIES,
+    MAX_BUNDLE_ENTRY,
+    MAX_LEVEL,
+    TILE_HEIGHT,
+    TILE_WIDTH,
+    Tile,
+    bundle,
+    index_path,
+    new_tiles,
+    parse_tile_path,
+    partial_tiles,
+    split_bundle,
+    still_partial,
+    tiles_of,
+)
 
 log = logging.getLogger(__name__)
 
-TILE_HEIGHT: Final = 8
-TILE_WIDTH: Final = 1 << TILE_HEIGHT
-MAX_LEVEL: Final = 63
-# An entry bundle frames each entry with a big-endian uint16 length.
-MAX_BUNDLE_ENTRY: Final = 0xFFFF
-# The level of an entry bundle: it sits beside the level 0 tile of the same index.
-ENTRIES: Final = -1
-CHECKPOINT: Final = "checkpoint"
+
+__all__ = [
+    "CHECKPOINT",
+    "ENTRIES",
+    "MAX_BUNDLE_ENTRY",
+    "MAX_LEVEL",
+    "TILE_HEIGHT",
+    "TILE_WIDTH",
+    "ServedTiles",
+    "Tile",
+    "TileStore",
+    "bundle",
+    "index_path",
+    "new_tiles",
+    "parse_tile_path",
+    "partial_tiles",
+    "split_bundle",
+    "tiles_of",
+]
 
 # `nodes(height, start, end)`: the roots of the perfect subtrees of 2**height leaves numbered
 # start to end - 1, concatenated. `bodies(start, end)`: the entry bodies of those indexes.
@@ -39,125 +67,6 @@ Nodes = Callable[[int, int, int], bytes]
 Bodies = Callable[[int, int], list[bytes]]
 
 _TEMP: Final = ".tmp"
-_INDEX = r"(?:x[0-9]{3}/)*[0-9]{3}"
-_WIDTH = r"[1-9][0-9]{0,2}"
-_TILE_PATH = re.compile(
-    rf"tile/(?P<level>entries|0|[1-9][0-9]?)/(?P<index>{_INDEX})(?:\.p/(?P<width>{_WIDTH}))?"
-)
-
-
-def index_path(index: int) -> str:
-    """A tile index as the spec writes it: three digits a path element, all but the last
-    prefixed with `x` (1234067 is `x001/x234/067`)."""
-    parts = [f"{index % 1000:03d}"]
-    index //= 1000
-    while index:
-        parts.append(f"x{index % 1000:03d}")
-        index //= 1000
-    return "/".join(reversed(parts))
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class Tile:
-    """One tile: `width` consecutive hashes of tile level `level` (tree height 8 × level) from
-    hash `index` × 256, or, at level ENTRIES, the entry bundle of the level 0 tile `index`."""
-
-    level: int
-    index: int
-    width: int = TILE_WIDTH
-
-    def __post_init__(self) -> None:
-        if not ENTRIES <= self.level <= MAX_LEVEL or self.index < 0:
-            raise ValueError(f"no tile at level {self.level}, index {self.index}")
-        if not 1 <= self.width <= TILE_WIDTH:
-            raise ValueError(f"a tile is 1 to {TILE_WIDTH} wide, not {self.width}")
-
-    @property
-    def full(self) -> bool:
-        return self.width == TILE_WIDTH
-
-    @property
-    def path(self) -> str:
-        level = "entries" if self.level == ENTRIES else str(self.level)
-        width = "" if self.full else f".p/{self.width}"
-        return f"tile/{level}/{index_path(self.index)}{width}"
-
-    @property
-    def partials(self) -> str:
-        """The folder that holds this tile's partial versions."""
-        level = "entries" if self.level == ENTRIES else str(self.level)
-        return f"tile/{level}/{index_path(self.index)}.p"
-
-    @property
-    def height(self) -> int:
-        """The tree height of the hashes a hash tile lists (leaves: 0)."""
-        return TILE_HEIGHT * max(self.level, 0)
-
-    @property
-    def first(self) -> int:
-        """The index, at its height, of the tile's first hash (of its first entry for a
-        bundle)."""
-        return self.index * TILE_WIDTH
-
-    def bundle(self) -> Tile:
-        """The entry bundle that goes with this level 0 tile."""
-        return Tile(ENTRIES, self.index, self.width)
-
-
-def parse_tile_path(path: str) -> Tile | None:
-    """The tile a path names, or None unless the path is exactly one the spec writes (no other
-    spelling of the same tile, nothing that is not a tile)."""
-    match = _TILE_PATH.fullmatch(path)
-    if match is None:
-        return None
-    level = ENTRIES if match["level"] == "entries" else int(match["level"])
-    # A partial tile is narrower than a full one; a full one has no width in its path.
-    width = TILE_WIDTH if match["width"] is None else int(match["width"])
-    if level > MAX_LEVEL or (match["width"] is not None and width >= TILE_WIDTH):
-        return None
-    index = int(match["index"].replace("x", "").replace("/", ""))
-    tile = Tile(level, index, width)
-    return tile if tile.path == path else None
-
-
-def partial_tiles(size: int) -> list[Tile]:
-    """The partial hash tiles of the tree of `size` leaves: at level l, floor(size / 256**l)
-    mod 256 hashes, where that is not zero."""
-    found = []
-    level = 0
-    while size >> (TILE_HEIGHT * level):
-        count = size >> (TILE_HEIGHT * level)
-        if count % TILE_WIDTH:
-            found.append(Tile(level, count // TILE_WIDTH, count % TILE_WIDTH))
-        level += 1
-    return found
-
-
-def new_tiles(old_size: int, new_size: int) -> list[Tile]:
-    """The hash tiles that the tree of `new_size` leaves has and that of `old_size` lacks: the
-    full tiles completed in between, and the new size's partial tiles where they changed
-    (golang.org/x/mod/sumdb/tlog's NewTiles)."""
-    found = []
-    level = 0
-    while new_size >> (TILE_HEIGHT * level):
-        old = old_size >> (TILE_HEIGHT * level)
-        new = new_size >> (TILE_HEIGHT * level)
-        if old != new:
-            found += [Tile(level, n) for n in range(old // TILE_WIDTH, new // TILE_WIDTH)]
-            if new % TILE_WIDTH:
-                found.append(Tile(level, new // TILE_WIDTH, new % TILE_WIDTH))
-        level += 1
-    return found
-
-
-def tiles_of(size: int) -> list[Tile]:
-    """Every hash tile of the tree of `size` leaves."""
-    return new_tiles(0, size)
-
-
-def bundle(bodies: Iterable[bytes]) -> bytes:
-    """An entry bundle: each entry body after its length as a big-endian uint16."""
-    return b"".join(len(body).to_bytes(2, "big") + body for body in bodies)
 
 
 class TileStore:
@@ -184,10 +93,19 @@ class TileStore:
         # The full tiles of every tree up to this size are on disk.
         self._complete = 0
         self._published = -1
+        self._published_note = ""
+        # Files written before a signing without a sync of their own: synced, with their
+        # folders, before any checkpoint is published (see `publish`).
+        self._unsynced: set[Path] = set()
 
     @property
     def complete(self) -> int:
         return self._complete
+
+    @property
+    def published(self) -> int:
+        """The size of the checkpoint published (0: none)."""
+        return max(self._published, 0)
 
     def signed(self, verifier: Verifier) -> Checkpoint | None:
         """The published checkpoint, if it is validly signed by `verifier`'s key."""
@@ -219,6 +137,9 @@ class TileStore:
             return 0
         with self._lock:
             self._complete = self._published = checkpoint.size
+            self._published_note = (self._read(CHECKPOINT, 1 << 16) or b"").decode(
+                "utf-8", "replace"
+            )
         return checkpoint.size
 
     def full(self, level: int, index: int) -> bytes | None:
@@ -248,16 +169,26 @@ class TileStore:
             found.append(data[:wanted])
         return b"".join(found)
 
-    def write(self, size: int, nodes: Nodes, bodies: Bodies, also: Iterable[int] = ()) -> int:
+    def write(
+        self,
+        size: int,
+        nodes: Nodes,
+        bodies: Bodies,
+        also: Iterable[int] = (),
+        *,
+        durable: bool = True,
+    ) -> int:
         """Write, durably, the tiles and entry bundles the tree of `size` leaves has that are not
         on disk yet, and the partial tiles of the tree sizes `also` (older checkpoints) that no
-        full tile has replaced; returns how many files were written."""
+        full tile has replaced; returns how many files were written. Without `durable`,
+        the files are renamed into place unsynced, and synced before the next checkpoint is
+        published (see Ledger.checkpoint)."""
         with self._writing():
             wanted = set(new_tiles(self._complete, size)) | set(partial_tiles(size))
             for other in also:
                 if other <= size:
-                    wanted.update(t for t in partial_tiles(other) if _still_partial(t, size))
-            written = self._write_tiles(sorted(wanted), nodes, bodies)
+                    wanted.update(t for t in partial_tiles(other) if still_partial(t, size))
+            written = self._write_tiles(sorted(wanted), nodes, bodies, durable)
             self._complete = max(self._complete, size)
             return written
 
@@ -270,17 +201,33 @@ class TileStore:
             self._complete = max(self._complete, upto)
             return written
 
-    def publish(self, note: str, size: int) -> None:
+    @property
+    def published_note(self) -> str:
+        """The note last published (empty: none yet)."""
+        return self._published_note
+
+    def publish(self, note: str, size: int, *, again: bool = False) -> None:
         """Make `note`, a signed checkpoint of `size` entries whose tiles are on disk, the one
-        served; an older one never replaces a newer."""
+        served; an older one never replaces a newer. `again`: write it even if it is the one
+        published (its file was found damaged)."""
         with self._writing():
-            if size <= self._published:
+            # At the same size, the note with the witnesses' newest cosignatures appended
+            # replaces the one published, never one with fewer signature lines.
+            same = size == self._published
+            lines = note.count("\n")
+            if size < self._published or (
+                same
+                and not again
+                and (note == self._published_note or lines < self._published_note.count("\n"))
+            ):
                 return
+            self._sync_written()
             synced: set[Path] = set()
             self._put(CHECKPOINT, note.encode(), synced, compare=False)
             for folder in synced:
                 fsync_dir(folder)
             self._published = size
+            self._published_note = note
 
     def repair(self, size: int, nodes: Nodes, bodies: Bodies) -> list[Tile]:
         """Check every tile and entry bundle of the tree of `size` leaves against the stored
@@ -300,6 +247,24 @@ class TileStore:
 
     # ------------------------------------------------------------------ writing
 
+    def _sync_written(self) -> None:
+        """Sync the files written unsynced, and their folders (the caller holds the lock)."""
+        folders = set()
+        for path in sorted(self._unsynced):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:  # a partial tile replaced by its full one since
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            folders.add(path.parent)
+        for folder in folders:
+            with contextlib.suppress(FileNotFoundError):
+                fsync_dir(folder)
+        self._unsynced.clear()
+
     @contextmanager
     def _writing(self) -> Iterator[None]:
         """One writer at a time; a file system error is told as the tiles being unavailable."""
@@ -313,18 +278,23 @@ class TileStore:
                     f"cannot write the ledger's tiles in {self.root}: {exc.strerror or exc}"
                 ) from None
 
-    def _write_tiles(self, tiles: Iterable[Tile], nodes: Nodes, bodies: Bodies) -> int:
+    def _write_tiles(
+        self, tiles: Iterable[Tile], nodes: Nodes, bodies: Bodies, durable: bool = True
+    ) -> int:
         """Write hash tiles, each level 0 tile with its entry bundle."""
         synced: set[Path] = set()
+        unsynced: set[Path] = set()
         written = 0
         replaced: list[Tile] = []
         for tile in tiles:
             data = nodes(tile.height, tile.first, tile.first + tile.width)
-            written += self._put(tile.path, data, synced)
+            into = synced if durable else unsynced
+            sync = into is synced
+            written += self._put(tile.path, data, into, sync=sync)
             if tile.level == 0:
                 entries = self._bundle(tile.bundle(), data, bodies)
                 if entries is not None:
-                    written += self._put(tile.bundle().path, entries, synced)
+                    written += self._put(tile.bundle().path, entries, into, sync=sync)
             if tile.full:
                 replaced.append(tile)
         for folder in synced:
@@ -380,7 +350,15 @@ class TileStore:
         finally:
             os.close(fd)
 
-    def _put(self, relative: str, data: bytes, synced: set[Path], *, compare: bool = True) -> int:
+    def _put(
+        self,
+        relative: str,
+        data: bytes,
+        synced: set[Path],
+        *,
+        compare: bool = True,
+        sync: bool = True,
+    ) -> int:
         """Put `data` at `relative` whole; returns 0 when the file already held exactly it.
         The folders to sync before the file counts as durable are added to `synced`."""
         if compare and self._read(relative, len(data) + 1) == data:
@@ -392,7 +370,8 @@ class TileStore:
         fd = os.open(temp, flags, 0o644)
         try:
             write_all(fd, data)
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         except BaseException:
             os.close(fd)
             temp.unlink(missing_ok=True)
@@ -400,6 +379,8 @@ class TileStore:
         os.close(fd)
         os.replace(temp, target)
         synced.add(target.parent)
+        if not sync:
+            self._unsynced.add(target)
         return 1
 
     def _make_folders(self, folder: Path, synced: set[Path]) -> None:
@@ -412,6 +393,181 @@ class TileStore:
             synced.add(made.parent)
 
 
-def _still_partial(tile: Tile, size: int) -> bool:
-    """Whether the tree of `size` leaves has not completed the full tile `tile` is part of."""
-    return (size >> (TILE_HEIGHT * tile.level)) // TILE_WIDTH == tile.index
+# Files whose check the tiles endpoint remembers, by path (a bound on what a caller can make
+# the server hold: past it the memory is cleared and files are checked again).
+CHECKED_FILES: Final = 1 << 16
+
+
+class ServedTiles:
+    """What the tiles endpoint may serve: a tile, an entry bundle or the `checkpoint` file, only
+    when its bytes match the tree the vault holds. A file that does not is written again from
+    the database first (logged and counted in `rewritten`); one past the tree, or that cannot
+    be written again, is not served.
+
+    A file checked once is not hashed again while its inode, size, modification and change
+    times stay the same (`served_bytes` is called on every request); `sweep` checks every file
+    in full, whatever it checked before."""
+
+    def __init__(
+        self,
+        store: TileStore,
+        *,
+        size: Callable[[], int],
+        nodes: Nodes,
+        rewrite: Callable[[Tile], None],
+        checkpoint_matches: Callable[[bytes], bool],
+        republish: Callable[[], None],
+    ) -> None:
+        """`size`: the tree's size now; `nodes` as for TileStore; `rewrite(tile)`: write the
+        tile (a level 0 one with its bundle) again from the database; `checkpoint_matches`:
+        whether a note is a checkpoint of this ledger signed by its key, over the tree held;
+        `republish`: publish the latest checkpoint again."""
+        self.store = store
+        self._size = size
+        self._nodes = nodes
+        self._rewrite = rewrite
+        self._checkpoint_matches = checkpoint_matches
+        self._republish = republish
+        self._checked: dict[str, tuple[int, int, int, int]] = {}
+        self._lock = threading.Lock()
+        self.rewritten = 0
+
+    def served_bytes(self, relative_path: str) -> bytes | None:
+        """The bytes of the file at `relative_path` (a tile path as the spec writes it, or
+        `checkpoint`) if they match the tree held, after writing a damaged one again; None when
+        there is no such file to serve."""
+        return self._serve(relative_path, cached=True)
+
+    def sweep(self) -> list[str]:
+        """Check every tile, entry bundle and the checkpoint on disk in full, and every tile
+        the published checkpoint needs for being there; write again each one that is damaged
+        or missing. Returns their paths."""
+        bad: list[str] = []
+        published = self.store.published
+        wanted = tiles_of(published)
+        for tile in [*wanted, *(t.bundle() for t in wanted if t.level == 0)]:
+            if not (self.store.root / tile.path).exists():
+                self._damaged(tile.path, tile, "missing")
+                bad.append(tile.path)
+        tile_folder = self.store.root / "tile"
+        for folder, _, files in os.walk(tile_folder):
+            for name in sorted(files):
+                relative = str((Path(folder) / name).relative_to(self.store.root))
+                if relative in bad or parse_tile_path(relative) is None:
+                    continue
+                before = self.rewritten
+                self._serve(relative, cached=False)
+                if self.rewritten != before:
+                    bad.append(relative)
+        before = self.rewritten
+        self._serve(CHECKPOINT, cached=False)
+        if self.rewritten != before:
+            bad.append(CHECKPOINT)
+        return bad
+
+    def _serve(self, relative: str, *, cached: bool) -> bytes | None:
+        tile = None if relative == CHECKPOINT else parse_tile_path(relative)
+        if tile is None and relative != CHECKPOINT:
+            return None
+        for attempt in range(2):
+            found = self._read(relative)
+            if found is None:
+                return None
+            data, stamp = found
+            if cached:
+                with self._lock:
+                    if self._checked.get(relative) == stamp:
+                        return data
+            verdict = self._matches(tile, data)
+            if verdict is None:  # past the tree held: nothing to judge it by
+                return None
+            if verdict:
+                with self._lock:
+                    if len(self._checked) >= CHECKED_FILES:
+                        self._checked.clear()
+                    self._checked[relative] = stamp
+                return data
+            if attempt:
+                break
+            self._damaged(relative, tile, "damaged")
+        log.error("%s still does not match the ledger's tree: not served", relative)
+        return None
+
+    def _damaged(self, relative: str, tile: Tile | None, how: str) -> None:
+        # A level 0 tile is written again with its entry bundle, and a bundle with its tile:
+        # damage to the other one is told and counted too, not mended in silence.
+        found = [(relative, how)]
+        other = _companion(tile)
+        if other is not None:
+            read = self._read(other.path)
+            if read is not None and self._matches(other, read[0]) is False:
+                found.append((other.path, "damaged"))
+        for path, what in found:
+            log.error(
+                "ledger tile %s is %s on disk: writing it again from the database", path, what
+            )
+        with self._lock:
+            for path, _ in found:
+                self._checked.pop(path, None)
+        try:
+            if tile is None:
+                self._republish()
+            else:
+                self._rewrite(Tile(0, tile.index, tile.width) if tile.level == ENTRIES else tile)
+        except (VerificationError, Unavailable) as exc:
+            log.error("cannot write %s again: %s", relative, exc)
+        with self._lock:
+            self.rewritten += len(found)
+
+    def _matches(self, tile: Tile | None, data: bytes) -> bool | None:
+        if tile is None:
+            return self._checkpoint_matches(data)
+        height = TILE_HEIGHT * max(tile.level, 0)
+        if (tile.first + tile.width) << height > self._size():
+            return None
+        expected = self._nodes(height, tile.first, tile.first + tile.width)
+        if tile.level != ENTRIES:
+            return data == expected
+        entries = split_bundle(data)
+        return entries is not None and b"".join(map(leaf_hash, entries)) == expected
+
+    def _read(self, relative: str) -> tuple[bytes, tuple[int, int, int, int]] | None:
+        """The file's bytes (at most a full entry bundle's) and what identifies this version of
+        it, from one open descriptor."""
+        try:
+            fd = os.open(self.store.root / relative, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                return None
+            data = _read_upto(fd, TILE_WIDTH * (2 + MAX_BUNDLE_ENTRY) + 1)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return data, (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+def _companion(tile: Tile | None) -> Tile | None:
+    """The file written again with `tile`: a level 0 tile's entry bundle, a bundle's tile."""
+    if tile is None:
+        return None
+    if tile.level == 0:
+        return tile.bundle()
+    if tile.level == ENTRIES:
+        return Tile(0, tile.index, tile.width)
+    return None
+
+
+def _read_upto(fd: int, limit: int) -> bytes:
+    parts = []
+    left = limit
+    while left > 0:
+        part = os.read(fd, min(left, 1 << 20))
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)

@@ -27,6 +27,7 @@ from vault.server.auth import MODES, Gate
 from vault.server.content import Content
 from vault.server.database import open_ledger_database
 from vault.server.explorer import ExplorerServer
+from vault.server.failed_credentials import FailedCredentials
 from vault.server.folder_lock import make_data_folder, only_server
 from vault.server.gatekeeper import Gatekeeper, Limits
 from vault.server.metrics import ScrubWatch, Sources, serve_metrics
@@ -77,7 +78,11 @@ class Serving:
 def load_or_create_key(config: Config) -> SigningKey:
     path = config.key_path
     if path.exists():
-        return SigningKey.load(path)
+        try:
+            return SigningKey.load(path)
+        except InvalidArgument as exc:
+            # A configuration the server cannot start with, told as such (one line, exit 2).
+            raise ConfigError(f"ledger.key_file: {exc}") from None
     path.parent.mkdir(parents=True, exist_ok=True)
     key = SigningKey.generate(config.origin)
     key.save(path)
@@ -253,6 +258,7 @@ def _serve_folder(
             config.data_path / TILES,
             *tiles_http,
             entries=config.auth.mode == "local",
+            checked=None if ledger.served_tiles is None else ledger.served_tiles.served_bytes,
         ).start()
     store = open_content_store(config)
     content = Content(db, store, folder=config.hot_path)
@@ -268,7 +274,11 @@ def _serve_folder(
             max_manifest_bytes=config.admission.max_manifest_bytes,
         ),
     )
-    tokens = TokenStore(db) if config.auth.mode != "local" else None
+    tokens = (
+        TokenStore(db, FailedCredentials.from_config(config))
+        if config.auth.mode != "local"
+        else None
+    )
     desk = open_desk(config)
     scrub = scrub_runner(store)
     watch = ScrubWatch()

@@ -34,13 +34,14 @@ MAX_CONFLICTS: Final = 2
 MAX_ANSWER_BYTES: Final = 64 * 1024
 # Seconds between two errors logged for the same kind of refusal by one witness.
 REFUSALS_LOGGED_EVERY: Final = 60.0
+ADD_CHECKPOINT: Final = "/add-checkpoint"
 _SEPARATORS = re.compile(r"[\s,]+")
 _SIZE = re.compile(r"(0|[1-9][0-9]{0,19})\n?")
 # What a tlog-witness status says about a refused checkpoint.
 _REFUSALS: Final = {
     400: "the old size is larger than the checkpoint's, or the request is malformed",
     403: "the checkpoint is not signed by the key the witness knows for this ledger",
-    404: "the witness does not know this ledger's origin",
+    404: "nothing answers at that URL or the witness does not know this ledger's origin",
     422: "the checkpoint does not extend the one the witness cosigned last (a fork or a "
     "rewritten history)",
 }
@@ -75,8 +76,13 @@ def configured_witnesses(config: Config) -> list[Witness]:
             raise ConfigError(f"witnesses.endpoints: {url[:80]!r} has a query or a fragment")
         if not key:
             raise ConfigError(f"witnesses.endpoints: witness {url[:80]!r} has no key after it")
+        # The witness's base URL, or its add-checkpoint URL (as the tlog-witness spec names
+        # it): requests go to the base URL's add-checkpoint either way.
+        base = url.rstrip("/")
+        if base.endswith(ADD_CHECKPOINT):
+            base = base[: -len(ADD_CHECKPOINT)]
         try:
-            witness = Witness(url.rstrip("/"), WitnessKey.from_string(key))
+            witness = Witness(base, WitnessKey.from_string(key))
         except InvalidArgument as exc:
             raise ConfigError(f"witnesses.endpoints: witness {url[:80]!r}: {exc}") from None
         if any(w.key == witness.key for w in witnesses):
@@ -114,6 +120,8 @@ class _Seen:
     refused: int = -1
     # The last refusal logged, by its kind (a status, or a rollback), and when.
     logged: tuple[str, float] = ("", 0.0)
+    # When (time.monotonic) the witness last cosigned the checkpoint being witnessed.
+    cosigned_at: float = 0.0
 
 
 class Witnessing:
@@ -134,13 +142,18 @@ class Witnessing:
         quorum: int = 0,
         timeout: float = 10.0,
         interval: float = 1.0,
+        refresh: float = 60.0,
     ) -> None:
+        """`refresh`: seconds after which the background pass submits a checkpoint the ledger
+        has not moved past again, so that its newest cosignature (which carries the time the
+        witness made it) stays fresh while the ledger is idle."""
         if not witnesses:
             raise InvalidArgument("witnessing needs at least one witness")
         self.ledger = ledger
         self.witnesses = tuple(witnesses)
         self.quorum = quorum or len(self.witnesses)
         self.timeout = timeout
+        self.refresh = refresh
         self._seen = {w.key: _Seen() for w in self.witnesses}
         self._askers = {
             w.key: ThreadPoolExecutor(1, thread_name_prefix=f"witness-{n}")
@@ -193,9 +206,14 @@ class Witnessing:
             else:
                 self._signed, self._lines, self._asking = signed, {}, {}
             waiting: dict[WitnessKey, Future[str | None]] = {}
+            now = time.monotonic()
             for witness in self.witnesses:
                 seen = self._seen[witness.key]
-                if witness.key in self._lines or seen.refused == signed.size:
+                if seen.refused == signed.size:
+                    continue
+                if witness.key in self._lines and (
+                    not background or now - seen.cosigned_at < self.refresh
+                ):
                     continue
                 if not background and seen.unreachable:
                     continue
@@ -208,12 +226,14 @@ class Witnessing:
         # behind another.
         wait(waiting.values(), timeout=2 * (MAX_CONFLICTS + 1) * self.timeout)
         with self._lock:
+            changed = False
             if self._signed is signed:
                 for key, asking in waiting.items():
                     if asking.done() and not asking.cancelled():
                         line = asking.result()
-                        if line is not None:
+                        if line is not None and self._lines.get(key) != line:
                             self._lines[key] = line
+                            changed = True
                         if self._asking.get(key) is asking:
                             del self._asking[key]
                 if background:
@@ -222,7 +242,11 @@ class Witnessing:
             else:
                 lines = {k: a.result() or "" for k, a in waiting.items() if a.done()}
             cosigned = "".join(lines.get(w.key) or "" for w in self.witnesses)
-            return SignedCheckpoint(signed.checkpoint, signed.note + cosigned)
+            witnessed = SignedCheckpoint(signed.checkpoint, signed.note + cosigned)
+        if changed:
+            # A tiles client that requires witnesses reads them in the published checkpoint.
+            self.ledger.publish_cosigned(witnessed.note, witnessed.size)
+        return witnessed
 
     def _report(self, signed: SignedCheckpoint) -> None:
         """Log, once a checkpoint, when it gathered fewer cosignatures than the quorum."""
@@ -267,6 +291,7 @@ class Witnessing:
             log.info("witness %s (%s) answers again", witness.label, witness.url)
         seen.unreachable = False
         seen.size = signed.size
+        seen.cosigned_at = time.monotonic()
         return line
 
     def _submit(self, witness: Witness, signed: SignedCheckpoint, seen: _Seen) -> str:
@@ -296,11 +321,14 @@ class Witnessing:
                 continue
             if status in _REFUSALS:
                 raise Refused(
-                    f"the checkpoint of size {signed.size} (old size {old}): HTTP {status}, "
-                    f"{_REFUSALS[status]}",
+                    f"POST {witness.url}{ADD_CHECKPOINT} with the checkpoint of size "
+                    f"{signed.size} (old size {old}): HTTP {status}, {_REFUSALS[status]}",
                     kind=str(status),
                 )
-            raise Unavailable(f"it answered HTTP {status} to the checkpoint of size {signed.size}")
+            raise Unavailable(
+                f"POST {witness.url}{ADD_CHECKPOINT} with the checkpoint of size {signed.size}: "
+                f"HTTP {status}"
+            )
         raise Unavailable(f"its size kept changing ({old} last): asked again at the next pass")
 
     def _post(
@@ -309,7 +337,7 @@ class Witnessing:
         """One tlog-witness add-checkpoint request: its status and body."""
         body = f"old {old}\n" + "".join(base64.b64encode(h).decode() + "\n" for h in proof)
         request = urllib.request.Request(
-            witness.url + "/add-checkpoint",
+            witness.url + ADD_CHECKPOINT,
             data=(body + "\n" + note).encode(),
             method="POST",
             headers={"Content-Type": "text/plain"},
@@ -354,4 +382,5 @@ def start_witnessing(config: Config, ledger: Ledger, witnesses: Sequence[Witness
         quorum=config.witnesses.quorum,
         timeout=config.witnesses.timeout,
         interval=config.ledger.checkpoint_interval,
+        refresh=config.witnesses.refresh,
     ).start()

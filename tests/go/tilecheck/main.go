@@ -44,8 +44,9 @@ func main() {
 	vkey := flag.String("key", "", "the vault's verifier key (vault checkpoint --key)")
 	leaves := flag.String("leaf", "", "comma-separated entry indexes to prove included")
 	old := flag.String("old", "", "a file holding an older signed checkpoint to prove consistent")
+	given := flag.String("checkpoint", "", "a file holding the signed checkpoint to verify the tiles of (default: the endpoint's)")
 	flag.Parse()
-	summary, err := run(*base, *vkey, *leaves, *old)
+	summary, err := run(*base, *vkey, *leaves, *old, *given)
 	if err != nil {
 		fmt.Printf("tilecheck: FAILED: %v\n", err)
 		os.Exit(1)
@@ -53,7 +54,7 @@ func main() {
 	fmt.Printf("tilecheck: OK: %s\n", summary)
 }
 
-func run(base, vkey, leaves, oldFile string) (string, error) {
+func run(base, vkey, leaves, oldFile, givenFile string) (string, error) {
 	if base == "" || vkey == "" {
 		return "", errors.New("-url and -key are required")
 	}
@@ -62,7 +63,12 @@ func run(base, vkey, leaves, oldFile string) (string, error) {
 		return "", fmt.Errorf("verifier key: %v", err)
 	}
 	fetcher := &fetcher{base: strings.TrimSuffix(base, "/") + "/", client: &http.Client{Timeout: 30 * time.Second}}
-	raw, err := fetcher.get("checkpoint")
+	var raw []byte
+	if givenFile != "" {
+		raw, err = os.ReadFile(givenFile)
+	} else {
+		raw, err = fetcher.get("checkpoint")
+	}
 	if err != nil {
 		return "", err
 	}
@@ -151,12 +157,24 @@ func proveEntry(f *fetcher, hashes tlog.HashReader, tree tlog.Tree, index int64)
 		bundle.W = int(rest)
 	}
 	data, err := f.get(tilePath(bundle))
+	var missing *notFound
+	partial := bundle.W < tileWidth && errors.As(err, &missing)
+	if partial {
+		// A log may drop a partial entry bundle once the full one is written, as it may a
+		// partial hash tile (C2SP tlog-tiles): its first entries are the same.
+		full := bundle
+		full.W = tileWidth
+		data, err = f.get(tilePath(full))
+	}
 	if err != nil {
 		return err
 	}
 	entries, err := splitBundle(data)
 	if err != nil {
 		return fmt.Errorf("%s: %v", tilePath(bundle), err)
+	}
+	if partial && len(entries) >= bundle.W {
+		entries = entries[:bundle.W]
 	}
 	if len(entries) != bundle.W {
 		return fmt.Errorf("%s holds %d entries, not %d", tilePath(bundle), len(entries), bundle.W)
