@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Final, NoReturn
 
 from cli.access import add_access_commands
@@ -23,6 +24,7 @@ from cli.serve import add_serve_command, create_token_offline
 from cli.signals import terminable
 from cli.tier import add_tier_commands
 from cli.times import time_arg
+from cli.verify_tiles import verify_tiles
 from vault import config as config_module
 from vault.client import BlobInfo, ProvenEntry, VaultClient
 from vault.client.audit import CHUNK, default_workers
@@ -295,6 +297,8 @@ def cmd_verify(args: argparse.Namespace, config: Config) -> int:
         overrides["witnesses"] = " ".join(args.witness)
     if args.min_witnesses is not None:
         overrides["min_witnesses"] = args.min_witnesses
+    if args.max_witness_age is not None:
+        overrides["max_witness_age"] = args.max_witness_age
     if overrides:
         config = config_module.apply(config, {"client": overrides}, "the command line")
     # With --json, one object at the end; the lines a person reads are not printed.
@@ -337,6 +341,14 @@ def cmd_verify(args: argparse.Namespace, config: Config) -> int:
             say(f"ledger verification FAILED: first break at index {report.first.index}")
         else:
             say("ledger OK")
+        if args.tiles is not None:
+            size, tiles = verify_tiles(client, args.tiles)
+            result["tiles"] = {"size": size, "files": tiles.files, "first_bad": tiles.bad}
+            if tiles.ok:
+                say(f"tiles OK: {tiles.files} files of the checkpoint of size {size}")
+            else:
+                say(f"tiles verification FAILED: {tiles.bad}: {tiles.reason}")
+                ok = False
         if args.blobs:
             bar = Progress("verify blobs", None, unit="blobs")
             checked = 0
@@ -507,6 +519,13 @@ def build_parser() -> argparse.ArgumentParser:
         "verify", help="audit the whole ledger (and with --blobs, every pinned blob)"
     )
     p.add_argument("--blobs", action="store_true")
+    p.add_argument(
+        "--tiles",
+        type=Path,
+        metavar="DIR",
+        help="on the vault's host: also check every tile and entry bundle in its tile folder "
+        "(DATA/tiles) against the checkpoint published there",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object: what was checked")
     p.add_argument(
         "--workers",
@@ -536,6 +555,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         metavar="K",
         help="how many of the witnesses must have cosigned (default: all)",
+    )
+    p.add_argument(
+        "--max-witness-age",
+        type=float,
+        metavar="SECONDS",
+        help="refuse a checkpoint whose newest cosignature is older than this (default: "
+        "client.max_witness_age, 86400)",
     )
     p.set_defaults(func=cmd_verify)
 

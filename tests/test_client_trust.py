@@ -7,24 +7,28 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import StartVault
-from tests.services.vault_server import VaultServer, run_vault
+from tests.services.vault_server import VaultRun, VaultServer, run_vault
 from vault.client import VaultClient
+from vault.client.state import ledger_file_name
 from vault.errors import RollbackError, VerificationError
 from vault.ledger.checkpoint import SigningKey, Verifier
 
 ORIGIN = "trust.test/ledger"
 ENV = {"PINVAULT_LEDGER_ORIGIN": ORIGIN}
+# A checkpoint every few appends: concurrent clients then see many different sizes.
+BUSY = {**ENV, "PINVAULT_LEDGER_CHECKPOINT_INTERVAL": "0.02"}
 
 
 def trusted(server: VaultServer, state_home: Path | None = None) -> dict[str, Any]:
     (path,) = server.trust_files(state_home)
-    assert path.name == f"trust-{server.address.replace(':', '_')}.json"
+    assert path.name == ledger_file_name(ORIGIN, str(server.signing_key().verifier()))
     value = json.loads(path.read_text())
     assert isinstance(value, dict)
     return value
@@ -202,3 +206,155 @@ def test_a_vault_key_other_than_the_configured_or_trusted_one_is_refused(
     label = Verifier.from_string(real).label
     line = server.run("lookup", blob, state_home=pinned).error_line()
     assert f"checkpoint is not signed by key {label}" in line
+
+
+def test_verify_refuses_a_ledger_that_forks_from_the_checkpoint_this_client_verified(
+    start_vault: StartVault, tmp_path: Path
+) -> None:
+    original = start_vault("original", env=ENV)
+    blob = stored_blob(original)
+    pin_some(original, blob, 2, "original")
+    original.run("lookup", blob).ok()
+    assert trusted(original)["size"] == 2
+    # An audit that passes moves the trusted checkpoint to the one it audited.
+    pin_some(original, blob, 2, "original")
+    assert "ledger OK" in original.run("verify").ok().stdout.splitlines()
+    assert trusted(original)["size"] == 4
+    original.stop()
+
+    # The ledger cut back to nothing and grown again with other entries, under the same key.
+    data = tmp_path / "regrown-data"
+    data.mkdir()
+    shutil.copy2(original.key_path, data)
+    regrown = start_vault("regrown", data_dir=data, env=ENV, listen=original.address)
+    assert stored_blob(regrown) == blob
+    pin_some(regrown, blob, 6, "regrown")
+
+    # Every stored entry and signature of the regrown ledger is in order: only this client's
+    # memory of size 4 gives it away.
+    assert "ledger OK" in regrown.run("verify", state_home=tmp_path / "fresh").ok().stdout
+    run = run_vault("verify", server=original.address, state_home=original.state_home)
+    line = run.error_line(alone=False)
+    assert "did not prove that its ledger of size 6 extends the size 4 already verified" in line
+    assert trusted(original)["size"] == 4
+
+    # Cut back below what was verified: a rollback, named with both sizes.
+    regrown.stop()
+    shutil.rmtree(data)
+    data.mkdir()
+    shutil.copy2(original.key_path, data)
+    shorter = start_vault("shorter", data_dir=data, env=ENV, listen=original.address)
+    stored_blob(shorter)
+    pin_some(shorter, blob, 3, "shorter")
+    run = run_vault("verify", server=original.address, state_home=original.state_home)
+    assert "vault rolled back: it presents size 3 but size 4 was already verified" in (
+        run.error_line(alone=False)
+    )
+    assert trusted(original)["size"] == 4
+
+
+def test_one_ledger_at_two_addresses_has_one_trust_state_and_a_fork_at_either_is_caught(
+    start_vault: StartVault, tmp_path: Path
+) -> None:
+    a = start_vault("a", env=ENV)
+    blob = stored_blob(a)
+    pin_some(a, blob, 2, "common")
+    port = a.address.rsplit(":", 1)[1]
+    state = tmp_path / "state"
+    for address in (a.address, f"localhost:{port}"):
+        run_vault("lookup", blob, server=address, state_home=state).ok()
+    assert trusted(a, state)["size"] == 2
+
+    # A second server on a copy of the ledger, each then appending entries of its own.
+    a.stop()
+    b = start_vault("b", data_dir=a.copy_data(tmp_path / "b-data"), env=ENV)
+    a.restart()
+    pin_some(a, blob, 2, "a")
+    pin_some(b, blob, 3, "b")
+    run_vault("lookup", blob, server=f"localhost:{port}", state_home=state).ok()
+    assert trusted(a, state)["size"] == 4
+
+    said = "did not prove that its ledger of size 5 extends the size 4 already verified"
+    for command in (["lookup", blob], ["checkpoint"], ["verify"]):
+        run = run_vault(*command, server=b.address, state_home=state)
+        assert said in run.error_line(alone=False), command
+    assert trusted(a, state)["size"] == 4
+    folder = VaultClient(b.address, state_folder=state / "pinvault", timeout=60)
+    with folder as client, pytest.raises(VerificationError, match=said):
+        client.lookup(blob)
+    # The second address is now held to the ledger it served: b restarted with another key
+    # there is refused on the key, not trusted afresh.
+    b.stop()
+    b.key_path.unlink()
+    b.restart()
+    label = a.signing_key().verifier().label
+    line = run_vault("checkpoint", server=b.address, state_home=state).error_line()
+    assert f"checkpoint is not signed by key {label}" in line
+
+
+def test_a_trust_state_kept_per_address_is_carried_over_to_the_ledgers(
+    start_vault: StartVault,
+) -> None:
+    server = start_vault(env=ENV)
+    blob = stored_blob(server)
+    pin_some(server, blob, 3, "a")
+    folder = server.state_home / "pinvault"
+    kept_by_address = folder / f"trust-{server.address.replace(':', '_')}.json"
+    with VaultClient(server.address, state=kept_by_address, timeout=60) as client:
+        client.lookup(blob)
+    kept = json.loads(kept_by_address.read_text())
+    assert kept["size"] == 3
+
+    pin_some(server, blob, 2, "a")
+    assert len(server.run("lookup", blob).ok().stdout.splitlines()) == 7
+    assert not kept_by_address.exists()
+    assert trusted(server)["size"] == 5 and trusted(server)["root"] != kept["root"]
+    servers = json.loads((folder / "servers.json").read_text())
+    assert servers == {
+        server.address: {"origin": ORIGIN, "verifier": str(server.signing_key().verifier())}
+    }
+
+
+def test_fifty_concurrent_pins_sharing_one_trust_state_all_succeed(
+    start_vault: StartVault,
+) -> None:
+    server = start_vault(env=BUSY)
+    blob = stored_blob(server)
+    server.run("lookup", stored_blob(server, b"nothing pins this yet")).error_line()
+
+    def pin(n: int) -> VaultRun:
+        return server.run("pin", "dataset", blob, "--meta", f"n={n}", "--json")
+
+    with ThreadPoolExecutor(50) as pool:
+        runs = list(pool.map(pin, range(50)))
+    failed = [run.describe() for run in runs if run.returncode != 0]
+    assert failed == []
+    indexes = sorted(run.json()["index"] for run in runs)
+    assert indexes == list(range(50))
+    with server.client() as client:
+        assert sorted(p.entry.meta["n"] for p in client.lookup(blob)) == sorted(
+            str(n) for n in range(50)
+        )
+    assert trusted(server)["size"] >= 50
+
+
+@pytest.mark.parametrize("kept", ["in memory", "in a file"])
+def test_one_client_shared_by_threads_pins_and_looks_up_without_false_rollbacks(
+    start_vault: StartVault, tmp_path: Path, kept: str
+) -> None:
+    server = start_vault(env=BUSY)
+    blob = stored_blob(server)
+    state = tmp_path / "trust.json" if kept == "in a file" else None
+    with VaultClient(server.address, state=state, timeout=60) as client:
+
+        def pin(n: int) -> int:
+            index = client.pin("dataset", blob, meta={"n": str(n)}).entry.index
+            client.lookup(blob)
+            return index
+
+        with ThreadPoolExecutor(12) as pool:
+            indexes = sorted(pool.map(pin, range(60)))
+        assert indexes == list(range(60))
+        assert client.checkpoint().size == 60
+    if state is not None:
+        assert json.loads(state.read_text())["size"] == 60

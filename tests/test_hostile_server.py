@@ -19,6 +19,7 @@ import pytest
 from tests.services.tampering_proxy import TamperingProxy, flip_chunk
 from tests.services.vault_server import VaultRun, VaultServer
 from vault.client import VaultClient
+from vault.client.state import ledger_file_name
 from vault.errors import IntegrityError, VerificationError
 from vault.store.chunks import CHUNK_SIZE
 from vault.wire import pinvault_pb2 as pb
@@ -311,14 +312,15 @@ def test_the_trust_state_is_never_written_through_a_planted_file(
     folder.mkdir(parents=True)
     precious = tmp_path / "precious"
     precious.write_bytes(b"the user's own file")
-    name = f"trust-{vault_server.address.replace(':', '_')}"
+    key = vault_server.signing_key()
+    name = ledger_file_name(key.name, str(key.verifier())).removesuffix(".json")
     (folder / f"{name}.tmp").symlink_to(precious)
     vault_server.run("lookup", sha256, state_home=state_home).ok()
     assert precious.read_bytes() == b"the user's own file"
     (trust,) = vault_server.trust_files(state_home)
     assert not trust.is_symlink() and trust.stat().st_mode & 0o777 == 0o600
     assert sorted(p.name for p in folder.iterdir()) == sorted(
-        [f"{name}.tmp", f"{name}.lock", f"{name}.json"]
+        [f"{name}.tmp", f"{name}.lock", f"{name}.json", "servers.json", "servers.lock"]
     )
 
     # A planted lock is refused, in one line, and nothing is written through it.

@@ -54,10 +54,36 @@ def test_a_rollback_is_refused_and_changes_nothing() -> None:
     log = trusted_at(9)
     with pytest.raises(RollbackError) as caught:
         log.update(note_at(5), [])
-    assert str(caught.value) == (
-        "vault rolled back: it presents size 5 but size 9 was already verified"
+    assert str(caught.value).startswith(
+        "vault rolled back: it presents size 5 but size 9 was already verified, and it does "
+        "not prove the one a prefix of the other"
     )
     assert (log.size, log.root) == (9, TREE.root(9))
+
+
+def test_an_older_checkpoint_proved_a_prefix_is_believed_and_moves_nothing_back() -> None:
+    # What a client sees when another client sharing its state moved it past this answer.
+    log = trusted_at(9)
+    assert log.update(note_at(5), TREE.consistency_proof(5, 9)) == Checkpoint(
+        ORIGIN, 5, TREE.root(5)
+    )
+    assert (log.size, log.root) == (9, TREE.root(9))
+    forked = MerkleTree([*LEAVES[:3], leaf_hash(b"rewritten"), *LEAVES[4:9]])
+    with pytest.raises(RollbackError, match="presents size 5 but size 9 was already verified"):
+        log.update(note_at(5, forked), TREE.consistency_proof(5, 9))
+    assert (log.size, log.root) == (9, TREE.root(9))
+
+
+def test_a_state_kept_elsewhere_is_joined_only_if_consistent() -> None:
+    log = trusted_at(9)
+    log.merge(5, TREE.root(5), TREE.consistency_proof(5, 9))
+    assert (log.size, log.root) == (9, TREE.root(9))
+    log.merge(20, TREE.root(20), TREE.consistency_proof(9, 20))
+    assert (log.size, log.root) == (20, TREE.root(20))
+    forked = MerkleTree([*LEAVES[:3], leaf_hash(b"rewritten"), *LEAVES[4:30]])
+    with pytest.raises(RollbackError, match="the vault showed a fork"):
+        log.merge(30, forked.root(30), forked.consistency_proof(20, 30))
+    assert (log.size, log.root) == (20, TREE.root(20))
 
 
 def test_a_rewritten_history_at_the_same_size_is_refused() -> None:

@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from tests.conftest import StartVault
+from tests.services import tilecheck
 from tests.services import witness as witness_service
 from tests.services.tampering_proxy import TamperingProxy
 from tests.services.vault_server import VaultServer, run_vault
@@ -180,8 +181,9 @@ def test_a_rolled_back_server_is_refused_by_the_witness_and_by_clients_requiring
         client.checkpoint()
     assert str(caught.value) == missing(6, witness.key)
     assert (
-        refused + "the checkpoint of size 5 (old size 5): HTTP 422, the checkpoint does not "
-        "extend the one the witness cosigned last (a fork or a rewritten history)"
+        refused + f"POST {witness.url}/add-checkpoint with the checkpoint of size 5 (old size "
+        "5): HTTP 422, the checkpoint does not extend the one the witness cosigned last (a fork "
+        "or a rewritten history)"
     ) in server.log()
 
 
@@ -390,7 +392,7 @@ def test_the_trusted_checkpoint_moves_only_to_checkpoints_k_of_n_witnesses_cosig
     body = note.split("\n\n")[0] + "\n"
 
     def cosigned(*names: str) -> str:
-        return note + "".join(_cosignature(keys[n], n, 1_700_000_000, body) for n in names)
+        return note + "".join(_cosignature(keys[n], n, int(time.time()), body) for n in names)
 
     trusted = TrustedLog(vault.verifier(), ORIGIN, witnesses=WitnessPolicy(witnesses, 2))
     for refused in (note, cosigned("w.test/b")):
@@ -407,3 +409,67 @@ def test_the_trusted_checkpoint_moves_only_to_checkpoints_k_of_n_witnesses_cosig
         "w.test/a",
         "w.test/c",
     ]
+
+
+def test_an_idle_ledger_stays_freshly_cosigned_and_publishes_the_cosignatures_with_its_tiles(
+    start_vault: StartVault, witness: WitnessServer, vault_key: Path, tmp_path: Path
+) -> None:
+    env = vault_env(vault_key, witness)
+    # The witness named by its add-checkpoint URL, as the tlog-witness spec writes it.
+    env["PINVAULT_WITNESSES_ENDPOINTS"] = f"{witness.url}/add-checkpoint {witness.key}"
+    env["PINVAULT_WITNESSES_REFRESH"] = "1"
+    server = start_vault(env=env, serve_args=("--tiles-http", "0"))
+    (url,) = [
+        line.split(" at ", 1)[1] for line in server.banner if "tiles (C2SP tlog-tiles)" in line
+    ]
+    notes = []
+    with requiring(server, witness.key) as client:
+        for n in range(3):
+            pin_some(client, 1, f"idle-{n}")
+            notes.append(client.checkpoint_note())
+        first = client.witnessed()[1][0].timestamp
+    assert "does not know this ledger's origin" not in server.log()
+
+    # Idle: the same checkpoint is cosigned again, with a newer time, and handed out so.
+    time.sleep(2.5)
+    with requiring(server, witness.key) as client:
+        checkpoint, cosignatures = client.witnessed()
+        notes.append(client.checkpoint_note())
+    assert checkpoint.size == 3
+    assert cosignatures[0].timestamp > first
+
+    # The published checkpoint carries the witness's cosignature line too.
+    published = server.data_dir / "tiles" / "checkpoint"
+    deadline = time.monotonic() + 20
+    while len(signature_lines(published.read_text())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [c.witness for c in require(published.read_text(), [witness.key])] == [witness.key]
+
+    # Every checkpoint handed out has its tiles: Go's tlog code checks each against them.
+    binary = tilecheck.build()
+    verifier = SigningKey.load(vault_key).verifier()
+    for n, note in enumerate(notes):
+        held = tmp_path / f"note-{n}"
+        held.write_text(note)
+        size = verifier.open(note).size
+        outcome = tilecheck.run(binary, url, str(verifier), checkpoint=held, leaves=[size - 1])
+        assert outcome.status == 0, (size, outcome.line)
+
+
+def test_a_refusal_names_the_url_posted_to(
+    start_vault: StartVault, witness: WitnessServer, vault_key: Path
+) -> None:
+    env = vault_env(vault_key, witness)
+    env["PINVAULT_WITNESSES_ENDPOINTS"] = f"{witness.url}/elsewhere {witness.key}"
+    server = start_vault(env=env)
+    with server.client() as client:
+        pin_some(client, 1, "x")
+    deadline = time.monotonic() + 20
+    while "refused" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert re.search(
+        rf"\) refused: POST {re.escape(witness.url)}/elsewhere/add-checkpoint with the checkpoint "
+        r"of size \d+ \(old size 0\): HTTP 404, nothing answers at that URL or the witness does "
+        r"not know this ledger's origin",
+        server.log(),
+    )

@@ -161,7 +161,8 @@ def check_role(role: str) -> str:
 @dataclass(frozen=True)
 class ClientConfig:
     server: str = "127.0.0.1:7411"
-    # The last verified checkpoint; empty means one file per server under the XDG state folder.
+    # The last verified checkpoint; empty means one file per ledger (its origin and key) under
+    # the XDG state folder, shared by every address the ledger is reached at.
     state_file: str = ""
     # Pin the vault's checkpoint key (`vault checkpoint --key` prints it); empty: trust on
     # first use.
@@ -184,6 +185,9 @@ class ClientConfig:
     witnesses: str = ""
     # How many of them must have cosigned; 0: all of them.
     min_witnesses: int = 0
+    # Seconds the newest of their cosignatures on a checkpoint may be old (24 hours): a vault
+    # that keeps serving one old checkpoint hides every entry since.
+    max_witness_age: float = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -220,6 +224,10 @@ class WitnessesConfig:
     quorum: int = 0
     # Seconds one witness may take to answer; one that does not is asked again later.
     timeout: float = 10.0
+    # Seconds after which the latest checkpoint, if the ledger has not grown past it, is
+    # submitted again, so that the newest cosignature a client sees is at most this old (plus
+    # a checkpoint interval) even when the ledger is idle.
+    refresh: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -300,12 +308,15 @@ class Config:
         return self.data_path / "handoff.sock"
 
     @property
-    def state_path(self) -> Path:
-        if self.client.state_file:
-            return Path(self.client.state_file).expanduser()
+    def state_path(self) -> Path | None:
+        """The one state file the client is configured to keep, if it is."""
+        return Path(self.client.state_file).expanduser() if self.client.state_file else None
+
+    @property
+    def state_folder(self) -> Path:
+        """Where the client keeps one state file per ledger when no state file is set."""
         base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
-        name = re.sub(r"[^A-Za-z0-9._-]", "_", self.client.server)
-        return Path(base) / "pinvault" / f"trust-{name}.json"
+        return Path(base) / "pinvault"
 
 
 _SECTIONS = {f.name: f for f in fields(Config) if f.name != "data_dir"}
@@ -329,6 +340,7 @@ _RANGES: Final[Mapping[str, tuple[float, float]]] = {
     "admission.max_manifest_bytes": (1024, 256 * 1024 * 1024),
     "client.timeout": (0.001, 86_400.0),
     "client.min_witnesses": (0, 64),
+    "client.max_witness_age": (0.001, _YEAR),
     "mirrors.replicas": (1, 64),
     "mirrors.connect_timeout": (0.1, 3600.0),
     "mirrors.read_timeout": (0.1, 3600.0),
@@ -346,6 +358,7 @@ _RANGES: Final[Mapping[str, tuple[float, float]]] = {
     "policy.scrub_rate_mb_s": (0.0, 1_000_000.0),
     "witnesses.quorum": (0, 64),
     "witnesses.timeout": (0.1, 600.0),
+    "witnesses.refresh": (0.5, 86_400.0),
 }
 # Settings whose 0 means none or off, allowed beside their range.
 _ZERO_IS_OFF: Final = frozenset(

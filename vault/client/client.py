@@ -17,8 +17,9 @@ from vault.client.channel import Credentials, open_channel, rpc_errors
 from vault.client.proofs import check_inclusion, check_proven, names_any, not_about
 from vault.client.reader import BlobReader
 from vault.client.results import Admission, BlobInfo, ProvenEntry, PutResult, Stat
-from vault.client.state import StateFile, TrustState
+from vault.client.state import LedgerStates, StateFile, TrustState
 from vault.client.transfer import Transfer
+from vault.client.trust import DEFAULT_MAX_WITNESS_AGE
 from vault.digest import Digest
 from vault.errors import InvalidArgument, NotFound, VerificationError
 from vault.ledger.audit import Auditor, AuditReport
@@ -41,12 +42,17 @@ def default_author() -> str:
 class VaultClient:
     """A connection to one vault server.
 
-    `state` is where the last verified checkpoint is kept; `verifier_key` pins the vault's
-    checkpoint key (otherwise the key is trusted on first use and kept in the state file).
-    `witnesses` are the cosignature/v1 keys of witnesses (c2sp.org/tlog-witness) of which at
-    least `min_witnesses` (default: all) must have cosigned every checkpoint this client
-    believes, so that a vault that rolled back or forked its ledger is refused even by a client
-    that never saw it before."""
+    `state` is the file where the last verified checkpoint is kept, or `state_folder` a folder
+    keeping one per ledger (so that one ledger reached at two addresses has one trust state);
+    with neither, it is kept in memory. `verifier_key` pins the vault's checkpoint key
+    (otherwise the key is trusted on first use and kept in the trust state). `witnesses` are
+    the cosignature/v1 keys of witnesses (c2sp.org/tlog-witness) of which at least
+    `min_witnesses` (default: all) must have cosigned every checkpoint this client believes, so
+    that a vault that rolled back or forked its ledger is refused even by a client that never
+    saw it before, the newest cosignature no older than `max_witness_age` seconds, so that a
+    vault that keeps serving one old checkpoint (hiding every entry since) is refused too.
+
+    One client may be shared by threads; clients in several processes may share a state."""
 
     def __init__(
         self,
@@ -60,7 +66,11 @@ class VaultClient:
         credentials: Credentials | None = None,
         witnesses: Sequence[str] = (),
         min_witnesses: int | None = None,
+        state_folder: Path | None = None,
+        max_witness_age: float = DEFAULT_MAX_WITNESS_AGE,
     ) -> None:
+        if state and state_folder:
+            raise InvalidArgument("a client keeps its trust state in a file or a folder, not both")
         self.witnesses = _witness_policy(witnesses, min_witnesses)
         self.target = target
         self.channel = open_channel(target, credentials)
@@ -68,12 +78,22 @@ class VaultClient:
         self.ledger = rpc.LedgerStub(self.channel)
         self.admission = rpc.AdmissionStub(self.channel)
         self.tokens = rpc.TokensStub(self.channel)
-        self.state = StateFile(state) if state else None
+        self.state: StateFile | LedgerStates | None = (
+            StateFile(state) if state else LedgerStates(state_folder) if state_folder else None
+        )
         self.author = author or default_author()
         # Empty: the vault takes the credential's team (in local mode, "local").
         self.team = team or ""
         self.timeout = timeout
-        self._trust = TrustState(self.ledger, self.state, verifier_key, self.witnesses)
+        self._trust = TrustState(
+            self.ledger,
+            self.state,
+            verifier_key,
+            self.witnesses,
+            target=target,
+            timeout=timeout,
+            max_witness_age=max_witness_age,
+        )
         # Whether this client has verified a checkpoint of the vault (see `pin`).
         self._vouched = False
         self._transfer = Transfer(self.store, timeout)
@@ -168,9 +188,10 @@ class VaultClient:
         matched; on failure, an interrupt too, only that file is removed. For a whole blob it
         is named after the digest, and one left by a get killed outright is resumed from: only
         if this client could have made it, and only its chunks that match the blob's chunk
-        list are kept (vault.client.partial). A client on the vault's own host hands the new
-        file to the server, which writes each chunk into it (vault.client.handoff); the client
-        then checks the whole digest of what it reads back (a resumed get streams the rest).
+        list are kept (vault.client.partial). A client on the vault's own host hands the server
+        the write end of a pipe, never the file: the server writes each verified chunk into it
+        and the client hashes and writes the file itself (vault.store.handoff says why; a
+        resumed get streams the rest).
         `handoff=False` streams; `handoff=True` fails if the handoff cannot be had. A range is
         cut from the whole blob once that is verified (see `open`)."""
         return self._transfer.get(
@@ -248,7 +269,9 @@ class VaultClient:
     def prove(self, index: int, body: bytes) -> ProvenEntry:
         """Verify that `body` is entry `index` of the vault's ledger."""
         with rpc_errors():
-            proof = self.ledger.GetInclusionProof(pb.InclusionProofRequest(index=index))
+            proof = self.ledger.GetInclusionProof(
+                pb.InclusionProofRequest(index=index), timeout=self.timeout
+            )
         checkpoint = self._trust.advance(proof.checkpoint.note)
         return check_inclusion(index, body, list(proof.hashes), checkpoint)
 
@@ -257,27 +280,28 @@ class VaultClient:
         consistent with everything this client verified before, and to name the digest (see
         `_about` for a blake3 alias)."""
         wanted = Digest.parse(digest)
-        with self._trust.trusted() as trusted:
-            with rpc_errors():
-                response = self.ledger.Lookup(
-                    pb.LookupRequest(digest=str(wanted), known_size=trusted.size),
-                    timeout=self.timeout,
-                )
-            checkpoint = trusted.update(response.checkpoint.note, list(response.consistency.hashes))
+        known = self._trust.known_size()
+        with rpc_errors():
+            response = self.ledger.Lookup(
+                pb.LookupRequest(digest=str(wanted), known_size=known), timeout=self.timeout
+            )
+        checkpoint = self._trust.accept(
+            response.checkpoint.note, list(response.consistency.hashes), known
+        )
         return self._about(wanted, [check_proven(p, checkpoint) for p in response.entries])
 
     def lookup_many(self, digests: Sequence[str]) -> dict[str, list[ProvenEntry]]:
         """`lookup` of many digests in one call: each digest as given, to its entries."""
         wanted = [Digest.parse(d) for d in digests]
-        with self._trust.trusted() as trusted:
-            with rpc_errors():
-                response = self.ledger.LookupBatch(
-                    pb.LookupBatchRequest(
-                        digests=[str(w) for w in wanted], known_size=trusted.size
-                    ),
-                    timeout=self.timeout,
-                )
-            checkpoint = trusted.update(response.checkpoint.note, list(response.consistency.hashes))
+        known = self._trust.known_size()
+        with rpc_errors():
+            response = self.ledger.LookupBatch(
+                pb.LookupBatchRequest(digests=[str(w) for w in wanted], known_size=known),
+                timeout=self.timeout,
+            )
+        checkpoint = self._trust.accept(
+            response.checkpoint.note, list(response.consistency.hashes), known
+        )
         if len(response.results) != len(wanted):
             raise VerificationError(
                 f"asked about {len(wanted)} digests, the vault answered {len(response.results)}"
@@ -353,21 +377,23 @@ class VaultClient:
         """Ask the vault to admit a job on these inputs. The answer is checked: the run id is
         the digest of these very inputs, and the run's pin is proved in a signed checkpoint."""
         inputs = RunInputs.checked(image=image, dataset=dataset, config=config, seed=seed)
-        with self._trust.trusted() as trusted:
-            request = pb.AdmitRequest(
-                image=inputs.image,
-                dataset=inputs.dataset,
-                config=inputs.config,
-                seed=str(inputs.seed),
-                team=team or self.team,
-                run_id=run_id,
-                replay_of=replay_of,
-                author=self.author,
-                known_size=trusted.size,
-            )
-            with rpc_errors():
-                response = self.admission.Admit(request, timeout=self.timeout)
-            checkpoint = trusted.update(response.checkpoint.note, list(response.consistency.hashes))
+        known = self._trust.known_size()
+        request = pb.AdmitRequest(
+            image=inputs.image,
+            dataset=inputs.dataset,
+            config=inputs.config,
+            seed=str(inputs.seed),
+            team=team or self.team,
+            run_id=run_id,
+            replay_of=replay_of,
+            author=self.author,
+            known_size=known,
+        )
+        with rpc_errors():
+            response = self.admission.Admit(request, timeout=self.timeout)
+        checkpoint = self._trust.accept(
+            response.checkpoint.note, list(response.consistency.hashes), known
+        )
         # The run's inputs document is these inputs plus the nonce the vault chose when it
         # first admitted the run (none for runs admitted before nonces); the run id is its digest.
         try:
@@ -433,7 +459,9 @@ class VaultClient:
     def checkpoint_note(self, *, verify: bool = True) -> str:
         """The latest checkpoint's signed note text (verified unless asked not to)."""
         with rpc_errors():
-            note: str = self.ledger.GetCheckpoint(pb.GetCheckpointRequest()).note
+            note: str = self.ledger.GetCheckpoint(
+                pb.GetCheckpointRequest(), timeout=self.timeout
+            ).note
         if verify:
             self._trust.advance(note)
         return note
@@ -517,19 +545,36 @@ class VaultClient:
         chunk: int = CHUNK,
     ) -> AuditReport:
         """Re-derive the whole ledger from the server's stored rows (see vault.ledger.audit).
-        With witnesses required, the stored entries are checked against the vault's latest
-        checkpoint too, once it is found cosigned. With more than one worker and a ledger of
-        at least two chunks, worker processes audit chunks of `chunk` entries side by side
-        (see vault.client.audit); the report is the same."""
-        witnessed = [] if self.witnesses is None else [self.checkpoint_note()]
+        The stored entries are checked against the vault's latest checkpoint too (with
+        witnesses required, once it is found cosigned), and once they pass, that checkpoint
+        against the last one this client verified, to which it then moves: a vault that
+        shows this client a history other than the one it saw before fails its audit
+        (RollbackError or VerificationError naming the sizes). With more than one worker and a
+        ledger of at least two chunks, worker processes audit chunks of `chunk` entries side by
+        side (see vault.client.audit); the report is the same."""
+        latest = self.checkpoint_note(verify=self.witnesses is not None)
         with self._trust.trusted() as trusted:
             verifier, origin = trusted.verifier, trusted.origin
+        report = self._audit(verifier, origin, latest, progress, workers, chunk)
+        if report.ok:
+            self._trust.advance(latest)
+        return report
+
+    def _audit(
+        self,
+        verifier: Verifier,
+        origin: str,
+        latest: str,
+        progress: Callable[[int, int], None] | None,
+        workers: int,
+        chunk: int,
+    ) -> AuditReport:
         with rpc_errors():
             notes = [
                 n
                 for batch in self.ledger.ReadCheckpoints(pb.ReadCheckpointsRequest())
                 for n in batch.notes
-            ] + witnessed
+            ] + [latest]
             auditor = Auditor(verifier, origin, notes)
             if workers > 1:
                 # The head's size and the rows past it, from one snapshot; every row below the

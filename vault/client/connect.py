@@ -55,6 +55,7 @@ def open_client(config: Config) -> VaultClient:
     return VaultClient(
         config.client.server,
         state=config.state_path,
+        state_folder=None if config.state_path else config.state_folder,
         verifier_key=config.client.verifier_key or None,
         author=config.client.author or None,
         team=config.client.team or None,
@@ -62,4 +63,5 @@ def open_client(config: Config) -> VaultClient:
         credentials=credentials(config),
         witnesses=keys,
         min_witnesses=config.client.min_witnesses or None,
+        max_witness_age=config.client.max_witness_age,
     )
