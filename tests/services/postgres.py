@@ -85,9 +85,17 @@ class PostgresServer(PrivateServer):
     name = "PostgreSQL"
 
     def __init__(
-        self, *, fsync: bool = True, bindir: Path | None = None, timeout: float = 60.0
+        self,
+        *,
+        fsync: bool = True,
+        bindir: Path | None = None,
+        timeout: float = 60.0,
+        standby_name: str | None = None,
     ) -> None:
         self.fsync = fsync
+        # With a name, the cluster streams its WAL to a standby of that name and a commit
+        # returns only once the standby has it (synchronous replication).
+        self.standby_name = standby_name
         self._bindir = bindir
         self._timeout = timeout
         self._base: Path | None = None
@@ -240,16 +248,21 @@ class PostgresServer(PrivateServer):
             "unix_socket_permissions = 0700\n"
             f"port = {PORT}\n"
             f"fsync = {durable}\n"
-            f"synchronous_commit = {durable}\n"
+            # A commit returns once it is durable: on this disk and, with a standby, on the
+            # standby's too (without fsync, in the standby's memory).
+            f"synchronous_commit = {'on' if self.fsync or self.standby_name else 'off'}\n"
             f"full_page_writes = {durable}\n"
             "shared_buffers = 16MB\n"
             "max_connections = 100\n"
-            # No replicas ever attach, so WAL need only serve crash recovery.
-            "wal_level = minimal\n"
-            "max_wal_senders = 0\n"
             # JIT compilation costs more than it saves on the small queries tests make.
-            "jit = off\n"
+            "jit = off\n" + self._replication_settings()
         )
+
+    def _replication_settings(self) -> str:
+        if self.standby_name is None:
+            # No replicas ever attach, so WAL need only serve crash recovery.
+            return "wal_level = minimal\nmax_wal_senders = 0\n"
+        return "wal_level = replica\nmax_wal_senders = 4\nwal_keep_size = 256MB\n"
 
     def _command(self, program: str, *args: str) -> list[str]:
         assert self._bin is not None
@@ -349,3 +362,104 @@ def _check_database_name(name: str) -> None:
             f"database name must match {_DATABASE_NAME.pattern} (lower case, at most 63 "
             f"characters), got {name!r}"
         )
+
+
+class PostgresStandby(PostgresServer):
+    """A streaming standby of `primary` (started with `standby_name`), made by pg_basebackup
+    in a folder of its own and reachable through its own socket; a commit on the primary
+    returns only once this standby has it. `promote()` makes it the primary."""
+
+    name = "PostgreSQL standby"
+
+    def __init__(self, primary: PostgresServer, *, timeout: float = 60.0) -> None:
+        if primary.standby_name is None:
+            raise ValueError("the primary streams to no standby: start it with standby_name")
+        super().__init__(fsync=primary.fsync, timeout=timeout)
+        self.primary = primary
+
+    def start(self) -> Self:
+        if self._base is not None:
+            raise RuntimeError(f"PostgreSQL standby already started in {self._base}")
+        self._bin = self._bindir if self._bindir is not None else find_bindir()
+        self._owner = _server_owner()
+        base = Path(tempfile.mkdtemp(prefix="pinvault-pg-", dir=_temp_root(self._owner)))
+        self._base = base
+        try:
+            self.socket_dir.mkdir(mode=0o700)
+            if self._owner is not None:
+                for path in (base, self.socket_dir):
+                    os.chown(path, self._owner.pw_uid, self._owner.pw_gid)
+            conninfo = (
+                f"host={self.primary.socket_dir} port={PORT} user={SUPERUSER} "
+                f"application_name={self.primary.standby_name}"
+            )
+            self._run(
+                "pg_basebackup",
+                "-D",
+                str(self.data_dir),
+                "-d",
+                conninfo,
+                "-X",
+                "stream",
+                "--checkpoint=fast",
+                "--no-sync",
+            )
+            socket_dir = str(self.socket_dir).replace("'", "''")
+            with (self.data_dir / "postgresql.auto.conf").open("a", encoding="utf-8") as conf:
+                conf.write(
+                    f"unix_socket_directories = '{socket_dir}'\n"
+                    f"primary_conninfo = '{conninfo}'\n"
+                    # Once promoted, it has no standby of its own to wait for.
+                    "synchronous_standby_names = ''\n"
+                )
+            (self.data_dir / "standby.signal").touch()
+            if self._owner is not None:
+                for path in (
+                    self.data_dir / "postgresql.auto.conf",
+                    self.data_dir / "standby.signal",
+                ):
+                    os.chown(path, self._owner.pw_uid, self._owner.pw_gid)
+            self._run(
+                "pg_ctl",
+                "-D",
+                str(self.data_dir),
+                "-l",
+                str(self.log_path),
+                "-w",
+                "-t",
+                str(int(self._timeout)),
+                "-s",
+                "start",
+            )
+            # From now on a commit on the primary waits for this standby to have it.
+            with self.primary._admin_connection() as conn:
+                conn.execute(
+                    sql.SQL("ALTER SYSTEM SET synchronous_standby_names = {}").format(
+                        sql.Literal(self.primary.standby_name)
+                    )
+                )
+                conn.execute("SELECT pg_reload_conf()")
+        except BaseException:
+            self._abandon()
+            raise
+        atexit.register(self.stop)
+        return self
+
+    def promote(self) -> None:
+        self._run("pg_ctl", "-D", str(self.data_dir), "-w", "-s", "promote")
+
+
+def crash(server: PostgresServer) -> None:
+    """Stop `server` as a crash would: no checkpoint, no goodbye to its clients."""
+    server._run("pg_ctl", "-D", str(server.data_dir), "-m", "immediate", "-w", "-s", "stop")
+
+
+def failover_url(database: str, *servers: PostgresServer) -> str:
+    """A SQLAlchemy URL naming `database` on every one of `servers`, in order: libpq connects
+    to the first that accepts writes (`target_session_attrs=read-write`)."""
+    hosts = ",".join(str(s.socket_dir) for s in servers)
+    ports = ",".join(str(PORT) for _ in servers)
+    return (
+        f"postgresql+psycopg://{SUPERUSER}@/{database}"
+        f"?host={hosts}&port={ports}&target_session_attrs=read-write"
+    )

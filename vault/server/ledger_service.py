@@ -150,6 +150,10 @@ class LedgerService(Service, rpc.LedgerServicer):
         group's entries, each added by its `add` with an inclusion proof against one signed
         checkpoint that covers them all, and that checkpoint's consistency with `known_size`."""
         needed = max((e.index + 1 for _, es in groups for e in es), default=0)
+        if known_size > self.ledger.size:
+            # The client saw a larger tree through another server of this vault (behind a
+            # balancer): catch up with the database before proving consistency with it.
+            self.ledger.sync()
         signed = self.signed(needed)
         if known_size > signed.size and known_size <= self.ledger.size:
             signed = self.signed(known_size)
@@ -240,6 +244,9 @@ class LedgerService(Service, rpc.LedgerServicer):
     @unary
     def GetConsistencyProof(self, request: pb.ConsistencyProofRequest) -> pb.ConsistencyProof:
         new_size = request.new_size or self.ledger.checkpoint().size
+        if max(new_size, request.old_size) > self.ledger.size:
+            # A size another server of this vault signed: catch up before proving it.
+            self.ledger.sync()
         return pb.ConsistencyProof(
             old_size=request.old_size,
             new_size=new_size,
