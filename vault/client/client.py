@@ -21,7 +21,7 @@ from vault.client.state import LedgerStates, StateFile, TrustState
 from vault.client.transfer import Transfer
 from vault.client.trust import DEFAULT_MAX_WITNESS_AGE
 from vault.digest import Digest
-from vault.errors import InvalidArgument, NotFound, VerificationError
+from vault.errors import IntegrityError, InvalidArgument, NotFound, VaultError, VerificationError
 from vault.ledger.audit import Auditor, AuditReport
 from vault.ledger.checkpoint import Checkpoint, Verifier
 from vault.ledger.cosignature import Cosignature, WitnessPolicy
@@ -552,10 +552,20 @@ class VaultClient:
         (RollbackError or VerificationError naming the sizes). With more than one worker and a
         ledger of at least two chunks, worker processes audit chunks of `chunk` entries side by
         side (see vault.client.audit); the report is the same."""
-        latest = self.checkpoint_note(verify=self.witnesses is not None)
+        refusal: VaultError | None = None
+        try:
+            latest: str | None = self.checkpoint_note(verify=self.witnesses is not None)
+        except (IntegrityError, VerificationError) as exc:
+            # The vault refuses to sign a ledger that fails its own check: the audit of its
+            # stored rows still names where it breaks.
+            latest, refusal = None, exc
         with self._trust.trusted() as trusted:
             verifier, origin = trusted.verifier, trusted.origin
         report = self._audit(verifier, origin, latest, progress, workers, chunk)
+        if latest is None:
+            if report.ok and refusal is not None:
+                raise refusal
+            return report
         if report.ok:
             self._trust.advance(latest)
         return report
@@ -564,7 +574,7 @@ class VaultClient:
         self,
         verifier: Verifier,
         origin: str,
-        latest: str,
+        latest: str | None,
         progress: Callable[[int, int], None] | None,
         workers: int,
         chunk: int,
@@ -574,7 +584,7 @@ class VaultClient:
                 n
                 for batch in self.ledger.ReadCheckpoints(pb.ReadCheckpointsRequest())
                 for n in batch.notes
-            ] + [latest]
+            ] + ([] if latest is None else [latest])
             auditor = Auditor(verifier, origin, notes)
             if workers > 1:
                 # The head's size and the rows past it, from one snapshot; every row below the
