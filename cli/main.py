@@ -104,7 +104,7 @@ def cmd_put(args: argparse.Namespace, config: Config) -> int:
                     bar.close()
             results.append({"path": path, "created": result.created, **_blob_dict(result.blob)})
             if not args.json:
-                print(f"{result.blob.sha256}  {result.blob.blake3}  {path}")
+                print(f"{result.blob.sha256}  {result.blob.blake3}  {shown(str(path))}")
     if args.json:
         print_json(results if len(results) > 1 else results[0])
     return 0

@@ -9,7 +9,7 @@ import argparse
 import time
 from typing import TYPE_CHECKING, Any
 
-from cli.output import print_json
+from cli.output import print_json, shown
 from cli.progress import Progress
 from vault.config import Config, file_path
 from vault.errors import IntegrityError, Unavailable
@@ -146,9 +146,9 @@ def _status(args: argparse.Namespace, config: Config) -> int:
                 f"{size_text(s.bytes):>10} {s.queued:>7} {s.lag_seconds:>5.0f}s  {verified}"
             )
             if not s.reachable:
-                print(f"  unreachable: {' '.join(s.error.split())}")
+                print(f"  unreachable: {shown(' '.join(s.error.split()))}")
             if s.queued and s.last_error:
-                print(f"  last error: {' '.join(s.last_error.split())}")
+                print(f"  last error: {shown(' '.join(s.last_error.split()))}")
     down = [f"{s.name} ({' '.join(s.error.split())})" for s in found if not s.reachable]
     if down:
         raise Unavailable("mirrors down: " + "; ".join(down))

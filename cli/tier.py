@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cli.output import print_json
+from cli.output import print_json, shown
 from cli.progress import Progress
 from vault.config import Config
 from vault.errors import IntegrityError, Unavailable
@@ -110,7 +110,7 @@ def _migrate(args: argparse.Namespace, config: Config) -> int:
                 f"{len(report.kept)}, failed {len(report.failed)}"
             )
             for digest, error in report.failed:
-                print(f"  failed {digest}: {error}")
+                print(f"  failed {digest}: {shown(str(error))}")
     if report is not None and report.failed:
         raise IntegrityError(f"{len(report.failed)} blobs could not be migrated")
     return 0
