@@ -136,24 +136,27 @@ class PostgresServer(PrivateServer):
             )
             with (self.data_dir / "postgresql.conf").open("a", encoding="utf-8") as conf:
                 conf.write(self._settings())
-            self._run(
-                "pg_ctl",
-                "-D",
-                str(self.data_dir),
-                "-l",
-                str(self.log_path),
-                "-w",
-                "-t",
-                str(int(self._timeout)),
-                "-s",
-                "start",
-            )
+            self._start_server()
             self.create_database(DEFAULT_DATABASE)
         except BaseException:
             self._abandon()
             raise
         atexit.register(self.stop)
         return self
+
+    def _start_server(self) -> None:
+        self._run(
+            "pg_ctl",
+            "-D",
+            str(self.data_dir),
+            "-l",
+            str(self.log_path),
+            "-w",
+            "-t",
+            str(int(self._timeout)),
+            "-s",
+            "start",
+        )
 
     def _shut_down(self) -> None:
         if (self.data_dir / "postmaster.pid").exists():
@@ -419,18 +422,7 @@ class PostgresStandby(PostgresServer):
                     self.data_dir / "standby.signal",
                 ):
                     os.chown(path, self._owner.pw_uid, self._owner.pw_gid)
-            self._run(
-                "pg_ctl",
-                "-D",
-                str(self.data_dir),
-                "-l",
-                str(self.log_path),
-                "-w",
-                "-t",
-                str(int(self._timeout)),
-                "-s",
-                "start",
-            )
+            self._start_server()
             # From now on a commit on the primary waits for this standby to have it.
             with self.primary._admin_connection() as conn:
                 conn.execute(
