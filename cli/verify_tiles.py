@@ -9,6 +9,7 @@ from pathlib import Path
 
 from vault.client import VaultClient
 from vault.errors import InvalidArgument, VerificationError
+from vault.files import read_upto
 from vault.ledger.merkle import verify_consistency
 from vault.ledger.tile_audit import TileAudit, audit_tiles
 
@@ -52,13 +53,6 @@ def _read(folder: Path, relative: str, limit: int) -> bytes | None:
     except OSError:
         return None
     try:
-        parts = []
-        while limit > 0:
-            part = os.read(fd, min(limit, 1 << 20))
-            if not part:
-                break
-            parts.append(part)
-            limit -= len(part)
-        return b"".join(parts)
+        return read_upto(fd, limit)
     finally:
         os.close(fd)

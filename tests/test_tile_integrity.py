@@ -20,6 +20,7 @@ import pytest
 
 from tests.conftest import StartVault
 from tests.services import tilecheck
+from tests.services.vault_server import VaultServer
 from vault.ledger.checkpoint import SigningKey
 from vault.ledger.db import Database, open_database
 from vault.ledger.log import Ledger
@@ -218,13 +219,7 @@ def test_vault_verify_names_a_damaged_tile_and_a_restart_writes_it_again(
     start_vault: StartVault,
 ) -> None:
     vault = start_vault(serve_args=("--metrics-port", "0"))
-    with vault.client() as client:
-        for n in range(300):
-            client.pin("config", f"sha256:{n:064x}", external=True)
-    tiles = vault.data_dir / "tiles"
-    deadline = time.monotonic() + 30
-    while "\n300\n" not in _text(tiles / "checkpoint") and time.monotonic() < deadline:
-        time.sleep(0.1)
+    tiles = _published_300(vault)
     checked = vault.run("verify", "--tiles", str(tiles)).ok().stdout.splitlines()[-1]
     assert re.fullmatch(r"tiles OK: \d+ files of the checkpoint of size 300", checked), checked
     bundle = tiles / "tile/entries/000"
@@ -258,13 +253,7 @@ def test_a_tile_damaged_under_a_running_server_is_served_as_the_tree_holds_it(
     (url,) = [
         line.split(" at ", 1)[1] for line in vault.banner if "tiles (C2SP tlog-tiles)" in line
     ]
-    with vault.client() as client:
-        for n in range(300):
-            client.pin("config", f"sha256:{n:064x}", external=True)
-    tiles = vault.data_dir / "tiles"
-    deadline = time.monotonic() + 30
-    while "\n300\n" not in _text(tiles / "checkpoint") and time.monotonic() < deadline:
-        time.sleep(0.1)
+    tiles = _published_300(vault)
     paths = ["tile/0/000", "tile/entries/000", "tile/0/001.p/44", "tile/entries/001.p/44"]
     good = {}
     for path in paths:
@@ -278,6 +267,19 @@ def test_a_tile_damaged_under_a_running_server_is_served_as_the_tree_holds_it(
             assert response.read() == good[path], path
         assert (tiles / path).read_bytes() == good[path], path
         assert f"ledger tile {path} is damaged on disk" in vault.log()
+
+
+def _published_300(vault: VaultServer) -> Path:
+    """Pin 300 entries through `vault` and wait for the checkpoint of 300 to be published with
+    its tiles; the tile folder."""
+    with vault.client() as client:
+        for n in range(300):
+            client.pin("config", f"sha256:{n:064x}", external=True)
+    tiles = vault.data_dir / "tiles"
+    deadline = time.monotonic() + 30
+    while "\n300\n" not in _text(tiles / "checkpoint") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return tiles
 
 
 def _text(path: Path) -> str:

@@ -25,6 +25,20 @@ def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         written += os.pwrite(fd, view[written:], offset + written)
 
 
+def read_upto(fd: int, limit: int) -> bytes:
+    """What `fd` holds from its position, `limit` bytes at most (a file that lies about its
+    size, or grows, costs no more than that)."""
+    parts = []
+    left = limit
+    while left > 0:
+        part = os.read(fd, min(left, 1 << 20))
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
 def fsync_dir(folder: str | os.PathLike[str]) -> None:
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:

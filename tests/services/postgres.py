@@ -114,14 +114,8 @@ class PostgresServer(PrivateServer):
                 f"{bindir} lacks one of {', '.join(SERVER_PROGRAMS)}; {_INSTALL_HINT}"
             )
         self._bin = bindir
-        self._owner = _server_owner()
-        base = Path(tempfile.mkdtemp(prefix="pinvault-pg-", dir=_temp_root(self._owner)))
-        self._base = base
         try:
-            self.socket_dir.mkdir(mode=0o700)
-            if self._owner is not None:
-                for path in (base, self.socket_dir):
-                    os.chown(path, self._owner.pw_uid, self._owner.pw_gid)
+            self._make_folder()
             self._run(
                 "initdb",
                 "-D",
@@ -143,6 +137,16 @@ class PostgresServer(PrivateServer):
             raise
         atexit.register(self.stop)
         return self
+
+    def _make_folder(self) -> None:
+        """The cluster's private folder and socket folder, owned by the server's OS user."""
+        self._owner = _server_owner()
+        base = Path(tempfile.mkdtemp(prefix="pinvault-pg-", dir=_temp_root(self._owner)))
+        self._base = base
+        self.socket_dir.mkdir(mode=0o700)
+        if self._owner is not None:
+            for path in (base, self.socket_dir):
+                os.chown(path, self._owner.pw_uid, self._owner.pw_gid)
 
     def _start_server(self) -> None:
         self._run(
@@ -384,14 +388,8 @@ class PostgresStandby(PostgresServer):
         if self._base is not None:
             raise RuntimeError(f"PostgreSQL standby already started in {self._base}")
         self._bin = self._bindir if self._bindir is not None else find_bindir()
-        self._owner = _server_owner()
-        base = Path(tempfile.mkdtemp(prefix="pinvault-pg-", dir=_temp_root(self._owner)))
-        self._base = base
         try:
-            self.socket_dir.mkdir(mode=0o700)
-            if self._owner is not None:
-                for path in (base, self.socket_dir):
-                    os.chown(path, self._owner.pw_uid, self._owner.pw_gid)
+            self._make_folder()
             conninfo = (
                 f"host={self.primary.socket_dir} port={PORT} user={SUPERUSER} "
                 f"application_name={self.primary.standby_name}"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Final
 
 from vault.errors import DiskFull, Unavailable, VerificationError, is_disk_full
-from vault.files import fsync_dir, write_all
+from vault.files import fsync_dir, read_upto, write_all
 from vault.ledger.checkpoint import Checkpoint, Verifier
 from vault.ledger.merkle import HASH_SIZE, leaf_hash
 from vault.ledger.tile_layout import (
@@ -542,7 +542,7 @@ class ServedTiles:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 return None
-            data = _read_upto(fd, TILE_WIDTH * (2 + MAX_BUNDLE_ENTRY) + 1)
+            data = read_upto(fd, TILE_WIDTH * (2 + MAX_BUNDLE_ENTRY) + 1)
         except OSError:
             return None
         finally:
@@ -559,15 +559,3 @@ def _companion(tile: Tile | None) -> Tile | None:
     if tile.level == ENTRIES:
         return Tile(0, tile.index, tile.width)
     return None
-
-
-def _read_upto(fd: int, limit: int) -> bytes:
-    parts = []
-    left = limit
-    while left > 0:
-        part = os.read(fd, min(left, 1 << 20))
-        if not part:
-            break
-        parts.append(part)
-        left -= len(part)
-    return b"".join(parts)
