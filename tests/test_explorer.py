@@ -165,6 +165,15 @@ def page(browser: Browser) -> Iterator[Page]:
     assert errors == [], f"the page raised: {errors}"
 
 
+def digests_in(page: Page, selector: str) -> set[str]:
+    """The full digests shown (shortened, with the whole in a title and a copy button) in the
+    part of the page `selector` names."""
+    found = page.eval_on_selector_all(
+        f"{selector} [data-digest]", "nodes => nodes.map(n => n.dataset.digest)"
+    )
+    return set(found)
+
+
 def search(page: Page, url: str, text: str) -> str:
     """Open the explorer, search `text` as a user types it, and return the verdict's state."""
     page.goto(url)
@@ -209,13 +218,21 @@ def test_a_search_finds_a_run_with_its_inputs_outputs_and_verified_proofs(
     verdict = page.inner_text("#verdict")
     assert "Verified" in verdict
     assert "verified in this browser" in verdict
-    assert "Checkpoint Ed25519 signature verified in this browser with key" in verdict
+    assert "Signed tree head's Ed25519 signature verified in this browser with key" in verdict
     assert f"{sealed.run_id}, {sealed.manifest}" in verdict  # the documents hashed here
     assert page.inner_text("#run-id") == sealed.run_id
     assert page.inner_text("#seed") == str(sealed.seed)
     view = page.inner_text("#view")
-    for shown in (sealed.image, sealed.dataset, sealed.output, sealed.checkpoint, sealed.manifest):
-        assert shown in view
+    shown = digests_in(page, "#view")
+    assert {
+        sealed.image,
+        sealed.dataset,
+        sealed.output,
+        sealed.checkpoint,
+        sealed.manifest,
+    } <= shown
+    # The inputs carry the names their pins give them.
+    assert "trainer" in page.inner_text(f"#view [data-digest='{sealed.image}']")
     assert "predictions.csv" in view
     assert "team vision" in view
     entries = page.inner_text("#entries")
@@ -231,13 +248,13 @@ def test_a_search_finds_a_run_with_its_inputs_outputs_and_verified_proofs(
     assert Path(download.value.path()).read_text() == sealed.replicate_sh
 
     # Following the dataset shows its members, verified against the dataset's digest.
-    page.click(f"#view button:text-is('{sealed.dataset}')")
+    page.locator(f"#view [data-digest='{sealed.dataset}'] button.digest").first.click()
     page.wait_for_selector("#view h2:has-text('Dataset tiny')")
     assert page.get_attribute("#verdict", "data-state") == "verified"
     members = page.inner_text("#view")
     for name, data in sealed.dataset_files.items():
         assert name in members
-        assert "sha256:" + hashlib.sha256(data).hexdigest() in members
+        assert sha256_of(data) in digests_in(page, "#view")
     assert "2 files, 20 bytes." in members
 
 
@@ -247,9 +264,9 @@ def test_a_checkpoint_and_a_run_manifest_are_shown_by_their_digests(
     url = explorer_url(explorer_vault)
     assert search(page, url, sealed.checkpoint) == "verified"
     view = page.inner_text("#view")
-    assert "Checkpoint, step 7" in view
-    assert "model.bin" in view and sha256_of(b"weights at step 7") in view
-    assert sealed.run_id in view
+    assert "Training checkpoint, step 7" in view
+    assert "model.bin" in view
+    assert {sha256_of(b"weights at step 7"), sealed.run_id} <= digests_in(page, "#view")
 
     assert search(page, url, sealed.manifest) == "verified"
     assert page.inner_text("#seed") == str(sealed.seed)
@@ -396,7 +413,7 @@ def _tamper_signature(answer: dict[str, Any]) -> str:
     raw = bytearray(base64.b64decode(signature))
     raw[-1] ^= 1
     answer["checkpoint"] = f"{head}\n{dash} {name} {base64.b64encode(raw).decode()}\n"
-    return "checkpoint: the checkpoint's signature by"
+    return "signed tree head: the signed tree head's signature by"
 
 
 @pytest.mark.parametrize(
@@ -430,9 +447,11 @@ def test_a_tampered_answer_shows_as_failed(
     verdict = page.inner_text("#verdict")
     assert "Verification FAILED" in verdict
     assert expected[0] in verdict
-    # Nothing of a failed answer is shown as the run's.
+    # Nothing of a failed answer is shown: not as the run's, nor as entries.
     assert page.locator("#run-id").count() == 0
     assert page.inner_text("#view") == ""
+    assert page.inner_text("#entries") == ""
+    assert page.locator("tr, [data-digest]").count() == 0
     if tamper is _tamper_entry:
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SCREENSHOTS / "tampered.png"), full_page=True)
@@ -490,7 +509,7 @@ def test_a_run_with_more_entries_than_an_answer_carries_still_shows_its_manifest
     assert search(page, explorer_url(explorer_vault), admission.run_id) == "verified"
     assert "More entries name this than one answer carries" in page.inner_text("#verdict")
     view = page.inner_text("#view")
-    assert manifest in view
+    assert manifest in digests_in(page, "#view")
     assert "summary.txt" in view and "shards/1099.bin" in view
 
 
@@ -499,7 +518,7 @@ def test_the_page_keeps_the_checkpoint_it_verified_and_catches_a_rewritten_histo
 ) -> None:
     url = explorer_url(explorer_vault)
     assert search(page, url, sealed.image) == "verified"
-    assert "the first checkpoint this browser has verified" in page.inner_text("#verdict")
+    assert "the first signed tree head this browser has verified" in page.inner_text("#verdict")
     key = str(page.text_content("#vault-key"))
     remembered = page.evaluate("(key) => localStorage.getItem(seenKey({text: key}))", key)
     seen = json.loads(remembered)
@@ -508,7 +527,7 @@ def test_the_page_keeps_the_checkpoint_it_verified_and_catches_a_rewritten_histo
         client.pin("config", newer)
     assert search(page, url, newer) == "verified"
     assert (
-        f"consistent with the checkpoint of size {seen['size']} this browser verified before "
+        f"consistent with the signed tree head of size {seen['size']} this browser verified before "
         "(consistency proof checked in this browser)"
     ) in page.inner_text("#verdict")
 
@@ -593,6 +612,229 @@ def test_the_pages_proof_checks_agree_with_the_ledgers_code(
     ]
     assert failures == []
     assert len(cases) > 1600
+
+
+# ---------------------------------------------------------------------- layout and navigation
+
+LONG_NOTE = "lr=3e-4;" * 60 + "/scratch/" + "x" * 300  # no space to break at
+
+
+def page_geometry(page: Page) -> dict[str, Any]:
+    """What a reader meets: the document's width against the window's, where the entries'
+    columns end, and how tall each shown digest is against its line."""
+    return dict(
+        page.evaluate(
+            """() => {
+            const right = (n) => n.getBoundingClientRect().right;
+            return {
+                viewport: window.innerWidth,
+                scrollWidth: document.documentElement.scrollWidth,
+                height: document.documentElement.scrollHeight,
+                columnsRight: Math.max(...[...document.querySelectorAll(
+                    "#entries th, #entries td")].map(right)),
+                proofColumn: [...document.querySelectorAll("#entries td:last-child")].map(
+                    (n) => [n.getBoundingClientRect().left, right(n)]),
+                digestLines: [...document.querySelectorAll("[data-digest] button.digest")].map(
+                    (n) => n.getBoundingClientRect().height /
+                        parseFloat(getComputedStyle(n).lineHeight === "normal"
+                            ? parseFloat(getComputedStyle(n).fontSize) * 1.2
+                            : getComputedStyle(n).lineHeight)),
+            };
+        }"""
+        )
+    )
+
+
+@pytest.mark.parametrize("width", [1366, 1920])
+def test_a_run_with_long_metadata_fits_the_window(
+    explorer_vault: VaultServer, sealed: SealedRun, page: Page, tmp_path: Path, width: int
+) -> None:
+    with explorer_vault.client() as client:
+        admission = client.admit(
+            image=sealed.image, dataset=sealed.dataset, seed=width, team="vision"
+        )
+        for n in range(5):
+            output = str(client.put(b"an output with a long note %d" % n).blob.sha256)
+            client.pin(
+                "artefact",
+                [output, admission.run_id],
+                meta={"path": f"deep/{'nested/' * 20}{n}.bin", "note": LONG_NOTE, "team": "vision"},
+            )
+    page.set_viewport_size({"width": width, "height": 900})
+    assert search(page, explorer_url(explorer_vault), admission.run_id) == "verified"
+    page.screenshot(path=str(tmp_path / f"run-{width}.png"), full_page=True)
+    shown = page_geometry(page)
+    assert shown["scrollWidth"] <= shown["viewport"] == width, shown
+    assert shown["columnsRight"] <= width, shown
+    # The proof column is on screen, with room for its word, on every row.
+    assert len(shown["proofColumn"]) == 6
+    assert all(right <= width and right - left >= 40 for left, right in shown["proofColumn"])
+    # Every digest keeps to one line: shortened, the whole of it a click away.
+    assert shown["digestLines"] and max(shown["digestLines"]) < 1.5, shown["digestLines"]
+    ref = page.locator(f"#entries [data-digest='{admission.run_id}']").first
+    short = f"{admission.run_id[:11]}\u2026{admission.run_id[-4:]}"
+    assert ref.locator("button.digest").inner_text() == short
+    assert ref.locator("button.digest").get_attribute("title") == admission.run_id
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    ref.locator("button.copy").click()
+    assert ref.locator("button.copy").inner_text() == "copied"
+    assert page.evaluate("navigator.clipboard.readText()") == admission.run_id
+    # The long note wraps inside its column.
+    assert LONG_NOTE in page.inner_text("#entries").replace("\n", "")
+
+
+def test_back_and_forward_bring_each_view_back(
+    explorer_vault: VaultServer, sealed: SealedRun, page: Page
+) -> None:
+    url = explorer_url(explorer_vault)
+    assert search(page, url, sealed.run_id) == "verified"
+    assert page.inner_text("#run-id") == sealed.run_id
+    page.fill("#search", "#0")
+    page.click("#search-button")
+    page.wait_for_selector("#entries button:text-is('#0')")
+    assert page.locator("#run-id").count() == 0
+    page.go_back()
+    page.wait_for_selector("#run-id")
+    assert page.inner_text("#run-id") == sealed.run_id
+    assert page.input_value("#search") == sealed.run_id
+    assert page.get_attribute("#verdict", "data-state") == "verified"
+    page.go_forward()
+    page.wait_for_selector("#entries button:text-is('#0')")
+    assert page.locator("#run-id").count() == 0
+    assert page.input_value("#search") == "#0"
+
+
+def test_a_dataset_is_found_by_its_name_and_tag(
+    explorer_vault: VaultServer, page: Page, tmp_path: Path
+) -> None:
+    digests = {}
+    for tag in ("v1", "v2"):
+        (tmp_path / tag).mkdir()
+        (tmp_path / tag / "images.idx").write_bytes(b"mnist %s\n" % tag.encode())
+        with explorer_vault.client() as client:
+            digests[tag] = add_dataset(client, tmp_path / tag, name="mnist-mini", tag=tag).digest
+    url = explorer_url(explorer_vault)
+    assert search(page, url, "mnist-mini@v1") == "verified"
+    assert "Dataset mnist-mini" in page.inner_text("#view")
+    assert "pinned at entry #" in page.inner_text("#view")
+    assert sha256_of(b"mnist v1\n") in digests_in(page, "#view")
+    # The entry's subject carries the name it pins.
+    ref = page.locator(f"#entries [data-digest='{digests['v1']}']")
+    assert ref.locator(".name").inner_text() == "mnist-mini@v1"
+    # The name alone: its newest pin.
+    assert search(page, url, "mnist-mini") == "verified"
+    assert sha256_of(b"mnist v2\n") in digests_in(page, "#view")
+    assert page.locator("#entries tbody tr").count() == 2
+    # A name nobody pinned is one line.
+    page.fill("#search", "mnist-mini@v9")
+    page.click("#search-button")
+    page.wait_for_selector("#status.error")
+    assert page.inner_text("#status") == (
+        "no dataset is pinned as mnist-mini@v9 (of the newest 10000 dataset pins)"
+    )
+    assert page.locator("#verdict").is_hidden()
+    bad = get(f"{url}api/dataset?name=a%40b")
+    assert (bad.status, bad.error()) == (400, "dataset name 'a@b': at most 256 characters, no '@'")
+
+
+def entries_listed(page: Page) -> list[tuple[int, str, str]]:
+    """The rows of the entries table: index, kind and author."""
+    rows = page.locator("#entries tbody tr").all()
+    return [
+        (
+            int(row.locator("td").nth(0).inner_text().removeprefix("#")),
+            row.locator("td").nth(1).inner_text(),
+            row.locator("td").nth(3).inner_text(),
+        )
+        for row in rows
+    ]
+
+
+def test_recent_entries_are_listed_newest_first_by_kind_and_by_author(
+    explorer_vault: VaultServer, sealed: SealedRun, page: Page
+) -> None:
+    with explorer_vault.client() as client:
+        client.ledger.PinBatch(
+            pb.PinBatchRequest(
+                pins=[
+                    pb.PinRequest(
+                        kind="config",
+                        subjects=[sha256_of(b"a config by ann %d" % n)],
+                        meta={"name": f"sweep-{n}"},
+                        external=True,
+                        author="ann@explorer",
+                    )
+                    for n in range(30)
+                ]
+            ),
+            timeout=60,
+        )
+    url = explorer_url(explorer_vault)
+    size = json.loads(get(url + "api/vault").body)["size"]
+    page.goto(url)
+    page.wait_for_selector("#status:has-text('entries')")
+    page.click("#recent")
+    page.wait_for_selector("#verdict[data-state]")
+    assert page.get_attribute("#verdict", "data-state") == "verified"
+    assert page.inner_text("#entries h2") == "Recent entries, newest first"
+    first = [index for index, _, _ in entries_listed(page)]
+    assert first == list(range(size - 1, size - 26, -1))
+    page.click("#older")
+    page.wait_for_selector(f"#entries button:text-is('#{size - 26}')")
+    assert page.get_attribute("#verdict", "data-state") == "verified"
+    assert entries_listed(page)[0][0] == size - 26
+    page.go_back()
+    page.wait_for_selector(f"#entries button:text-is('#{size - 1}')")
+
+    assert search(page, url, "author:ann@explorer") == "verified"
+    listed = entries_listed(page)
+    assert [(kind, author) for _, kind, author in listed] == [("config", "ann@explorer")] * 25
+    assert [i for i, _, _ in listed] == sorted((i for i, _, _ in listed), reverse=True)
+    assert "name=sweep-29" in page.inner_text("#entries")
+    assert search(page, url, "kind:checkpoint") == "verified"
+    assert {kind for _, kind, _ in entries_listed(page)} == {"checkpoint"}
+    assert sealed.checkpoint in digests_in(page, "#entries")
+
+    # A page of the log whose entries are not newest first is not what was asked.
+    def reorder(route: Route) -> None:
+        response = route.fetch()
+        answer = response.json()
+        answer["entries"].reverse()
+        route.fulfill(response=response, body=json.dumps(answer))
+
+    page.route("**/api/log?*", reorder)
+    assert search(page, url, "author:ann@explorer") == "failed"
+    assert "it is out of order" in page.inner_text("#verdict")
+    assert page.locator("#entries tr").count() == 0
+
+    for query, error in (
+        ("limit=0", "limit is 1 to 100, not 0"),
+        ("limit=101", "limit is 1 to 100, not 101"),
+        ("before=x", "before is a number, not 'x'"),
+        ("colour=red", "unknown query parameter 'colour'"),
+    ):
+        answer = get(f"{url}api/log?{query}")
+        assert (answer.status, answer.error()) == (400, error), query
+    missing = get(f"{url}api/log?kind=nothing")
+    assert (missing.status, missing.error()) == (
+        404,
+        f"no entry of kind 'nothing' before index {size}",
+    )
+
+
+def test_the_ledgers_signed_tree_head_is_never_called_a_checkpoint(
+    explorer_vault: VaultServer, sealed: SealedRun, page: Page
+) -> None:
+    url = explorer_url(explorer_vault)
+    assert search(page, url, sealed.checkpoint) == "verified"
+    verdict = page.inner_text("#verdict")
+    assert "signed tree head of size" in verdict
+    assert "checkpoint" not in verdict.lower()
+    assert "Training checkpoint, step 7" in page.inner_text("#view")
+    page.locator("#entries tbody button.link").first.click()
+    detail = page.inner_text("#entry-detail")
+    assert "signed tree head\tsize " in detail
+    assert "\ncheckpoint\t" not in detail
 
 
 # ---------------------------------------------------------------------- the HTTP surface
@@ -684,6 +926,14 @@ def test_the_api_answers_what_the_ledgers_own_verifier_accepts(
         proof = [base64.b64decode(h) for h in consistency["proof"]]
         one = MerkleTree([leaf_hash(base64.b64decode(answer["entries"][0]["body"]))]).root()
         verify_consistency(1, checkpoint.size, one, checkpoint.root, proof)
+        # A page of the log, newest first, and the next page's bound.
+        page = json.loads(get(f"{url}api/log?kind=image&limit=2").body)
+        check_with_the_ledgers_code(page, verifier)
+        assert page["entries"] == answer["entries"][:0:-1]
+        assert page["next"] == 1
+        last = json.loads(get(f"{url}api/log?kind=image&before=1").body)
+        assert (last["entries"], last["next"]) == (answer["entries"][:1], None)
+        assert get(f"{url}api/log?author=nobody").status == 404
         assert get(f"{url}api/consistency?old=2&new=1").status == 400
         assert get(f"{url}api/consistency?old=1&new=99").status == 404
         assert get(f"{url}api/entry?index=99").status == 404

@@ -1,7 +1,8 @@
 """The ledger explorer: a read-only web page and its JSON API on the vault's bounded HTTP server.
-The API answers with entries' exact bytes, their inclusion proofs, the signed checkpoint and the
-blobs a view shows (inputs documents, run, dataset and checkpoint manifests), so that the page
-verifies everything it shows in the browser before it shows it."""
+The API answers (the entries naming a digest, one entry, the pins of a dataset name, or a page
+of the log, newest first) with entries' exact bytes, their inclusion proofs, the signed
+checkpoint and the blobs a view shows (inputs documents, run, dataset and checkpoint
+manifests), so that the page verifies everything it shows in the browser before it shows it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from importlib import resources
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
+from sqlalchemy import select
+
 from vault.digest import Digest, check_digest
 from vault.errors import (
     InvalidArgument,
@@ -23,6 +26,7 @@ from vault.errors import (
     Unauthenticated,
     VaultError,
 )
+from vault.ledger import db as tables
 from vault.ledger.entry import Entry
 from vault.ledger.log import Ledger
 from vault.ledger.records import StoredEntry
@@ -43,6 +47,18 @@ MAX_BLOB_BYTES: Final = 16 * 1024 * 1024
 MAX_TASK_MANIFESTS: Final = 16
 # Longer request targets are refused before they are parsed (a digest query is ~90 bytes).
 MAX_TARGET: Final = 1024
+# A page of the log (recent entries, of a kind or by an author) holds at most this many.
+MAX_LOG_PAGE: Final = 100
+LOG_PAGE: Final = 25
+# A dataset name is looked for among this many of the newest dataset pins: names are not
+# indexed, and their pins are few beside a ledger's other entries.
+MAX_NAME_SCAN: Final = 10_000
+# Pins of one dataset name an answer carries, newest first.
+MAX_NAMED: Final = 50
+# The kinds of pin whose `name` the page shows beside a run's inputs.
+_NAMED_KINDS: Final = ("image", "dataset", "config")
+# Longest kind, author, dataset name or tag a query may give (a dataset name is at most 200).
+MAX_WORD: Final = 256
 
 JSON: Final = "application/json"
 _LOOPBACK_NAMES: Final = frozenset({"localhost", "[::1]"})
@@ -202,6 +218,12 @@ class ExplorerServer(Endpoint):
         if path == "/api/entry":
             _only(query, "index")
             return self.entry(query.get("index", ""))
+        if path == "/api/log":
+            _only(query, "kind", "author", "before", "limit")
+            return self.recent(query)
+        if path == "/api/dataset":
+            _only(query, "name", "tag")
+            return self.dataset(query.get("name", ""), query.get("tag", ""))
         if path == "/api/consistency":
             _only(query, "old", "new")
             return self.consistency(query.get("old", ""), query.get("new", ""))
@@ -241,7 +263,13 @@ class ExplorerServer(Endpoint):
             shown = {e.index for e in entries}
             extra = [e for e, _ in self.ledger.pins_of_kind(sha256, "run") if e.index not in shown]
             entries = sorted(entries + extra[:MAX_ENTRIES], key=lambda e: e.index)
-        return self._answer(sha256, entries, self._blobs_for(sha256, entries), more=more)
+        return self._answer(
+            sha256,
+            entries,
+            self._blobs_for(sha256, entries),
+            more=more,
+            names=self._names_of_inputs(sha256, entries),
+        )
 
     def entry(self, text: str) -> dict[str, Any]:
         if not text.isdigit() or len(text) > 16:
@@ -249,25 +277,117 @@ class ExplorerServer(Endpoint):
         stored = self.ledger.entry(int(text))
         return self._answer(f"#{int(text)}", [stored], {}, more=False)
 
+    def recent(self, query: dict[str, str]) -> dict[str, Any]:
+        """A page of the log, newest first: the entries before index `before` (all, if not
+        given), of one `kind` and by one `author` if given; `next` is the `before` of the page
+        after it, or null on the last page."""
+        kind = _word(query, "kind")
+        author = _word(query, "author")
+        before = _number(query, "before", self.ledger.size)
+        limit = _number(query, "limit", LOG_PAGE)
+        if not 1 <= limit <= MAX_LOG_PAGE:
+            raise InvalidArgument(f"limit is 1 to {MAX_LOG_PAGE}, not {limit}")
+        rows = self._newest(before, limit + 1, kind=kind, author=author)
+        if not rows:
+            raise NotFound("no entry " + _described(kind=kind, author=author, before=before))
+        entries = rows[:limit]
+        answer = self._answer("log", entries, {}, more=False)
+        answer["next"] = entries[-1].index if len(rows) > limit else None
+        return answer
+
+    def dataset(self, name: str, tag: str) -> dict[str, Any]:
+        """The pins of a dataset name (and tag, if given), newest first, and the manifest of
+        the newest, which the page lists."""
+        for what, text in (("dataset name", name), ("dataset tag", tag)):
+            if len(text) > MAX_WORD or "@" in text or text != text.strip():
+                raise InvalidArgument(
+                    f"{what} {text[:40]!r}: at most {MAX_WORD} characters, no '@'"
+                )
+        if not name:
+            raise InvalidArgument("a dataset name is needed (NAME or NAME@TAG)")
+        found: list[StoredEntry] = []
+        for stored in self._newest(self.ledger.size, MAX_NAME_SCAN, kind="dataset"):
+            entry = Entry.decode(stored.body)
+            if entry.meta.get("name") == name and (not tag or entry.meta.get("tag", "") == tag):
+                found.append(stored)
+                if len(found) == MAX_NAMED:
+                    break
+        reference = f"{name}@{tag}" if tag else name
+        if not found:
+            raise NotFound(
+                f"no dataset is pinned as {reference} (of the newest {MAX_NAME_SCAN} dataset pins)"
+            )
+        newest = Entry.decode(found[0].body).subjects[0]
+        return self._answer(reference, found, {newest: self._blob(newest)}, more=False)
+
+    def _newest(
+        self, before: int, limit: int, *, kind: str = "", author: str = ""
+    ) -> list[StoredEntry]:
+        """The ledger's entries below index `before`, newest first, at most `limit`: the log's
+        own query (`vault.ledger.db.listing`) runs oldest first, which a page of recent
+        entries cannot use."""
+        e = tables.entries
+        query = select(e.c.idx, e.c.body).where(e.c.idx < before)
+        if kind:
+            query = query.where(e.c.kind == kind)
+        if author:
+            query = query.where(e.c.author == author)
+        query = query.order_by(e.c.idx.desc()).limit(limit)
+        with self.ledger.db.read.connect() as conn:
+            return [StoredEntry(idx, bytes(body)) for idx, body in conn.execute(query)]
+
+    def _names_of_inputs(self, digest: str, entries: list[StoredEntry]) -> list[StoredEntry]:
+        """For a run id: the newest pin that names each of its inputs (its image, dataset and
+        config, as the run's admission lists them), so that the page shows the names beside
+        their digests."""
+        admitted = next(
+            (
+                e
+                for e in map(Entry.decode, (s.body for s in entries))
+                if e.kind == "run" and e.meta.get("stage") == "admitted" and e.subjects[0] == digest
+            ),
+            None,
+        )
+        if admitted is None:
+            return []
+        found: list[StoredEntry] = []
+        for subject in admitted.subjects[1:]:
+            for kind in _NAMED_KINDS:
+                pins = [
+                    stored
+                    for stored, _ in self.ledger.pins_of_kind(subject, kind)[-MAX_NAMED:]
+                    if (e := Entry.decode(stored.body)).subjects[0] == subject
+                    and e.meta.get("name")
+                ]
+                if pins:
+                    found.append(pins[-1])
+                    break
+        return found
+
     def _answer(
-        self, query: str, entries: list[StoredEntry], blobs: dict[str, Any], *, more: bool
+        self,
+        query: str,
+        entries: list[StoredEntry],
+        blobs: dict[str, Any],
+        *,
+        more: bool,
+        names: Sequence[StoredEntry] = (),
     ) -> dict[str, Any]:
-        signed = self.ledger.checkpoint(max(e.index for e in entries) + 1)
-        proof = self.ledger.inclusion_proof
+        signed = self.ledger.checkpoint(max(e.index for e in [*entries, *names]) + 1)
+
+        def proven(e: StoredEntry) -> dict[str, Any]:
+            proof = self.ledger.inclusion_proof(e.index, signed.size)
+            return {"index": e.index, "body": _b64(e.body), "proof": [_b64(h) for h in proof]}
+
         return {
             "query": query,
             "verifier": str(self.ledger.verifier),
             "checkpoint": signed.note,
             # More entries name it than an answer carries.
             "more": more,
-            "entries": [
-                {
-                    "index": e.index,
-                    "body": _b64(e.body),
-                    "proof": [_b64(h) for h in proof(e.index, signed.size)],
-                }
-                for e in entries
-            ],
+            "entries": [proven(e) for e in entries],
+            # Entries that give digests the view shows their names, proven as the others.
+            "names": [proven(e) for e in names],
             "blobs": blobs,
         }
 
@@ -334,6 +454,30 @@ def _only(query: dict[str, str], *names: str) -> None:
     unknown = sorted(set(query) - set(names))
     if unknown:
         raise InvalidArgument(f"unknown query parameter {unknown[0][:40]!r}")
+
+
+def _word(query: dict[str, str], name: str) -> str:
+    text = query.get(name, "")
+    if len(text) > MAX_WORD or text != text.strip():
+        raise InvalidArgument(
+            f"{name} {text[:40]!r}: at most {MAX_WORD} characters, no white space at either end"
+        )
+    return text
+
+
+def _number(query: dict[str, str], name: str, default: int) -> int:
+    text = query.get(name)
+    if text is None:
+        return default
+    if not text.isdigit() or len(text) > 16:
+        raise InvalidArgument(f"{name} is a number, not {text[:40]!r}")
+    return int(text)
+
+
+def _described(*, kind: str, author: str, before: int) -> str:
+    words = [f"of kind {kind!r}"] if kind else []
+    words += [f"by {author!r}"] if author else []
+    return " ".join([*words, f"before index {before}"])
 
 
 def _b64(data: bytes) -> str:

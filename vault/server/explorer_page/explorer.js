@@ -1,5 +1,7 @@
 // The pinvault ledger explorer: asks the vault's read-only API, verifies every answer here in
-// the browser (leaf hashes, RFC 9162 inclusion proofs, the checkpoint's Ed25519 signature,
+// the browser (leaf hashes, RFC 9162 inclusion proofs, the Ed25519 signature of the signed
+// tree head (the ledger's C2SP checkpoint; "checkpoint" alone on the page means a training
+// checkpoint entry),
 // documents against their digests) and only then shows it. Ledger text is hostile: it reaches
 // the page through textContent only, never as markup.
 "use strict";
@@ -139,7 +141,7 @@ async function consistent(oldSize, newSize, oldRoot, newRoot, path) {
   return sn === 0 && equal(fr, oldRoot) && equal(sr, newRoot);
 }
 
-// ------------------------------------------------------------------ keys and checkpoints
+// ------------------------------------------------------------------ keys and signed tree heads
 
 // A Go note verifier key: name+hex key id+base64(0x01 || Ed25519 public key), its key id
 // checked against the first four bytes of SHA-256(name || 0x0A || 0x01 || public key).
@@ -155,22 +157,23 @@ async function parseVerifierKey(text) {
   return { text, name, id, publicKey: raw.slice(1) };
 }
 
-// A C2SP signed note holding a tlog-checkpoint, its signature by `key` checked.
+// A signed tree head: a C2SP signed note holding a tlog-checkpoint, its signature by `key`
+// checked.
 async function openCheckpoint(note, key) {
   const split = note.lastIndexOf("\n\n");
-  if (split < 0 || !note.endsWith("\n")) throw new Error("the checkpoint is not a signed note");
+  if (split < 0 || !note.endsWith("\n")) throw new Error("the signed tree head is not a signed note");
   const body = note.slice(0, split + 1);
   const signatures = note.slice(split + 2, -1).split("\n");
   const mine = [];
   for (const line of signatures) {
     const match = /^\u2014 (\S+) ([A-Za-z0-9+/=]+)$/.exec(line);
-    if (!match) throw new Error("the checkpoint has a malformed signature line");
+    if (!match) throw new Error("the signed tree head has a malformed signature line");
     const raw = b64decode(match[2]);
     if (match[1] === key.name && raw.length === 68 && equal(raw.slice(0, 4), key.id)) {
       mine.push(raw.slice(4));
     }
   }
-  if (!mine.length) throw new Error(`the checkpoint has no signature by ${key.name}`);
+  if (!mine.length) throw new Error(`the signed tree head has no signature by ${key.name}`);
   let publicKey;
   try {
     publicKey = await crypto.subtle.importKey("raw", key.publicKey, { name: "Ed25519" }, false, [
@@ -181,23 +184,23 @@ async function openCheckpoint(note, key) {
   }
   for (const signature of mine) {
     const ok = await crypto.subtle.verify({ name: "Ed25519" }, publicKey, signature, enc.encode(body));
-    if (!ok) throw new Error(`the checkpoint's signature by ${key.name} is not valid`);
+    if (!ok) throw new Error(`the signed tree head's signature by ${key.name} is not valid`);
   }
   const lines = body.split("\n");
   if (lines.length < 4 || !/^(0|[1-9][0-9]{0,15})$/.test(lines[1])) {
-    throw new Error("the checkpoint body is malformed");
+    throw new Error("the signed tree head's body is malformed");
   }
   const root = b64decode(lines[2]);
   if (root.length !== 32 || b64encode(root) !== lines[2]) {
-    throw new Error("the checkpoint's root is not 32 bytes in canonical base64");
+    throw new Error("the signed tree head's root is not 32 bytes in canonical base64");
   }
   if (lines[0] !== key.name) {
-    throw new Error(`the checkpoint is of ledger ${lines[0]}, not ${key.name}`);
+    throw new Error(`the signed tree head is of ledger ${lines[0]}, not ${key.name}`);
   }
   return { origin: lines[0], size: Number(lines[1]), root };
 }
 
-// The largest checkpoint this browser verified of the vault with this key is kept, and every
+// The largest signed tree head this browser verified of the vault with this key is kept, and every
 // later one must extend it (a consistency proof checked here): a vault that rewrites or rolls
 // back its history is caught by the page as by the `vault` command.
 const seenKey = (key) => "pinvault-checkpoint:" + key.text;
@@ -213,7 +216,7 @@ async function checkHistory(key, checkpoint) {
     seenKey(key), JSON.stringify({ size: checkpoint.size, root: b64encode(checkpoint.root) }));
   if (!seen || !Number.isSafeInteger(seen.size) || typeof seen.root !== "string") {
     remember();
-    return "the first checkpoint this browser has verified of this vault";
+    return "the first signed tree head this browser has verified of this vault";
   }
   const seenRoot = b64decode(seen.root);
   const [older, newer] = seen.size <= checkpoint.size
@@ -229,16 +232,18 @@ async function checkHistory(key, checkpoint) {
       "the vault rewrote or forked its history");
   }
   if (checkpoint.size > seen.size) remember();
-  return `consistent with the checkpoint of size ${seen.size} this browser verified before ` +
+  return `consistent with the signed tree head of size ${seen.size} this browser verified before ` +
     (older.size === newer.size ? "(the same root)" : "(consistency proof checked in this browser)");
 }
 
 // ------------------------------------------------------------------ verifying an answer
 
 // Every check the page makes of one API answer. `failures` empty means all of it held.
-async function verifyAnswer(answer, query) {
+async function verifyAnswer(answer, asked) {
   const failures = [];
-  const result = { failures, entries: [], blobs: {}, missing: {}, checkpoint: null, key: null };
+  const result = {
+    failures, entries: [], named: [], blobs: {}, missing: {}, checkpoint: null, key: null,
+  };
   try {
     result.key = await parseVerifierKey(String(answer.verifier));
     const pinned = settings.pinnedKey();
@@ -247,19 +252,26 @@ async function verifyAnswer(answer, query) {
     }
     result.checkpoint = await openCheckpoint(String(answer.checkpoint), result.key);
   } catch (error) {
-    failures.push(`checkpoint: ${error.message}`);
+    failures.push(`signed tree head: ${error.message}`);
   }
   if (result.checkpoint) {
     try {
       result.history = await checkHistory(result.key, result.checkpoint);
     } catch (error) {
-      failures.push(`checkpoint: ${error.message}`);
+      failures.push(`signed tree head: ${error.message}`);
       result.checkpoint = null;
     }
   }
-  for (const item of answer.entries || []) {
+  // `names`: entries that give the digests a view shows their names (an image's, a dataset's),
+  // proven as the others are but not asked to match the search.
+  if (!Array.isArray(answer.entries) || !Array.isArray(answer.names ?? [])) {
+    throw new Error("its entries are not a list");
+  }
+  const items = [...answer.entries.map((i) => [i, false]), ...(answer.names ?? []).map((i) => [i, true])];
+  for (const [item, naming] of items) {
     const shown = { index: item.index, ok: false, problem: "", entry: null };
-    result.entries.push(shown);
+    (naming ? result.named : result.entries).push(shown);
+    const query = naming ? {} : asked;
     try {
       const body = b64decode(item.body);
       const entry = parseCanonical(`entry ${item.index}`, body);
@@ -277,16 +289,35 @@ async function verifyAnswer(answer, query) {
       if (query.index !== undefined && entry.index !== query.index) {
         throw new Error(`it is not entry ${query.index}`);
       }
+      if (query.kind && entry.kind !== query.kind) {
+        throw new Error(`it is of kind ${entry.kind}, not ${query.kind}`);
+      }
+      if (query.author && entry.author !== query.author) {
+        throw new Error(`it is by ${entry.author}, not ${query.author}`);
+      }
+      if (query.before !== undefined) {
+        // A page of the log is newest first and below its bound.
+        if (!(entry.index < query.before)) throw new Error(`it is not before index ${query.before}`);
+        const previous = result.entries.length > 1 ? result.entries[result.entries.length - 2].index : null;
+        if (previous !== null && !(entry.index < previous)) throw new Error("it is out of order");
+      }
+      if (query.dataset) {
+        const m = entry.meta;
+        if (entry.kind !== "dataset" || m.name !== query.dataset.name ||
+            (query.dataset.tag && m.tag !== query.dataset.tag)) {
+          throw new Error(`it does not pin dataset ${query.dataset.reference}`);
+        }
+      }
       shown.leaf = await leafHash(body);
       shown.proof = item.proof.map(b64decode);
-      if (!result.checkpoint) throw new Error("no verified checkpoint to check it against");
+      if (!result.checkpoint) throw new Error("no verified signed tree head to check it against");
       shown.root = await rootFromInclusionProof(
         item.index, result.checkpoint.size, shown.leaf, shown.proof);
       if (shown.root === null) {
         throw new Error(`its proof does not fit index ${item.index} in a tree of size ${result.checkpoint.size}`);
       }
       if (!equal(shown.root, result.checkpoint.root)) {
-        throw new Error("its inclusion proof leads to another root than the checkpoint's");
+        throw new Error("its inclusion proof leads to another root than the signed tree head's");
       }
       shown.ok = true;
     } catch (error) {
@@ -334,11 +365,41 @@ function el(tag, attributes, ...children) {
   return node;
 }
 
+// The names verified entries of the answer shown give their first subject (a dataset's or an
+// image's `name`, with its `tag`), shown beside the digest.
+let names = new Map();
+
+function nameOf(entry) {
+  const name = entry.meta.name;
+  if (typeof name !== "string" || !name) return "";
+  return typeof entry.meta.tag === "string" && entry.meta.tag ? `${name}@${entry.meta.tag}` : name;
+}
+
+function short(digest) {
+  const [algorithm, value] = digest.split(":");
+  return `${algorithm}:${value.slice(0, 4)}\u2026${value.slice(-4)}`;
+}
+
+// A digest as its algorithm and the first and last four hex digits, the whole of it in the
+// title and the copy button's clipboard, and a search for it on a click.
 function digestLink(digest) {
   if (!/^(sha256|blake3):[0-9a-f]{64}$/.test(digest)) return el("code", { text: digest });
-  return el("button", {
-    type: "button", class: "link digest", text: digest, onclick: () => search(digest),
+  const copy = el("button", { type: "button", class: "copy", title: "Copy the full digest", text: "copy" });
+  copy.addEventListener("click", async () => {
+    try {
+      await navigator.clipboard.writeText(digest);
+      copy.textContent = "copied";
+    } catch {
+      // No clipboard here (a page not served from loopback): show the whole digest instead.
+      link.textContent = digest;
+    }
   });
+  const link = el("button", {
+    type: "button", class: "link digest", title: digest, text: short(digest), onclick: () => go(digest),
+  });
+  const name = names.get(digest);
+  const parts = name ? [el("span", { class: "name", text: name }), " "] : [];
+  return el("span", { class: "digest-ref", "data-digest": digest }, ...parts, link, " ", copy);
 }
 
 function table(headings, rows) {
@@ -403,7 +464,7 @@ function showVerdict(checked, answer) {
     node.className = "failed";
     node.dataset.state = "failed";
     node.replaceChildren(
-      el("div", { text: "Verification FAILED: this answer is not what the vault signed. Nothing it says is shown as fact." }),
+      el("div", { text: "Verification FAILED: this answer is not what the vault signed. Nothing of it is shown." }),
       el("ul", {}, ...checked.failures.map((f) => el("li", { text: f }))));
     return;
   }
@@ -411,11 +472,11 @@ function showVerdict(checked, answer) {
   const documents = Object.keys(checked.blobs);
   const lines = [
     `Inclusion of ${checked.entries.length} ${checked.entries.length === 1 ? "entry" : "entries"} ` +
-      `in checkpoint root ${b64encode(cp.root)} (size ${cp.size}) verified in this browser: ` +
+      `in the signed tree head of size ${cp.size} (root ${b64encode(cp.root)}) verified in this browser: ` +
       "each leaf hash SHA-256(0x00 || entry bytes) walked up its RFC 9162 inclusion proof.",
-    `Checkpoint Ed25519 signature verified in this browser with key ${checked.key.text}` +
+    `Signed tree head's Ed25519 signature verified in this browser with key ${checked.key.text}` +
       (settings.pinnedKey() ? " (the expected key set here)." : " (the vault's own key: set an expected key to pin it)."),
-    `Checkpoint history: ${checked.history}.`,
+    `Signed tree head history: ${checked.history}.`,
   ];
   if (documents.length) {
     lines.push(`Documents hashed in this browser to the digests entries pin: ${documents.join(", ")}.`);
@@ -429,23 +490,23 @@ function showVerdict(checked, answer) {
   node.replaceChildren(el("div", { text: "Verified" }), el("ul", {}, ...lines.map((l) => el("li", { text: l }))));
 }
 
-function showEntries(checked) {
+// Only called on an answer whose every check held: a failed answer shows its verdict alone.
+function showEntries(checked, title) {
   const rows = checked.entries.map((shown) => {
-    const e = shown.entry || {};
-    const meta = Object.entries(e.meta || {}).map(([k, v]) => `${k}=${v}`).join("  ");
+    const e = shown.entry;
     return [
       el("button", { type: "button", class: "link", text: `#${shown.index}`, onclick: () => showEntry(shown, checked) }),
-      String(e.kind ?? ""),
-      String(e.time ?? ""),
-      String(e.author ?? ""),
-      el("div", {}, ...(e.subjects || []).map((s) => el("div", {}, digestLink(String(s))))),
-      meta,
-      shown.ok ? "verified" : `FAILED: ${shown.problem}`,
+      String(e.kind),
+      String(e.time),
+      String(e.author),
+      el("div", {}, ...e.subjects.map((s) => el("div", {}, digestLink(String(s))))),
+      el("div", {}, ...Object.entries(e.meta).map(([k, v]) => el("div", { class: "meta", text: `${k}=${v}` }))),
+      "verified",
     ];
   });
-  $("entries").replaceChildren(
-    el("h2", { text: "Entries" }),
-    table(["entry", "kind", "time", "author", "subjects", "metadata", "inclusion proof"], rows));
+  const node = table(["entry", "kind", "time", "author", "subjects", "metadata", "inclusion proof"], rows);
+  node.classList.add("entries");
+  $("entries").replaceChildren(el("h2", { text: title || "Entries" }), node);
 }
 
 function showEntry(shown, checked) {
@@ -454,7 +515,7 @@ function showEntry(shown, checked) {
   const facts = [
     ["leaf hash", shown.leaf ? hex(shown.leaf) : ""],
     ["computed root", shown.root ? b64encode(shown.root) : ""],
-    ["checkpoint", checked.checkpoint ? `size ${checked.checkpoint.size}, root ${b64encode(checked.checkpoint.root)}` : ""],
+    ["signed tree head", `size ${checked.checkpoint.size}, root ${b64encode(checked.checkpoint.root)}`],
     ["proof", shown.ok ? "verified" : `FAILED: ${shown.problem}`],
   ];
   parts.push(table(["", ""], facts.map(([k, v]) => [k, el("code", { text: v })])));
@@ -484,7 +545,7 @@ function runManifestParts(manifest, digest) {
   const inputs = manifest.inputs || {};
   parts.push(section("Outputs", table(["path", "sha256", "size"],
     (manifest.outputs || []).map((o) => [String(o.path), digestLink(String(o.sha256)), String(o.size)]))));
-  parts.push(section("Checkpoints", table(["step", "checkpoint manifest"],
+  parts.push(section("Training checkpoints", table(["step", "checkpoint manifest"],
     (manifest.checkpoints || []).map((c) => [String(c.step), digestLink(String(c.manifest))]))));
   const env = manifest.environment || {};
   const envRows = [["host", env.host], ["python", env.python], ["platform", env.platform],
@@ -529,7 +590,7 @@ function viewRun(checked, runId, admission) {
     const own = checked.entries.map((s) => s.entry).filter((e) => e.meta.team === team);
     parts.push(section("Outputs recorded so far", table(["path", "sha256", "size"],
       own.filter((e) => e.kind === "artefact").map((e) => [String(e.meta.path), digestLink(e.subjects[0]), String(e.meta.size)]))));
-    parts.push(section("Checkpoints committed so far", table(["step", "checkpoint manifest"],
+    parts.push(section("Training checkpoints committed so far", table(["step", "checkpoint manifest"],
       own.filter((e) => e.kind === "checkpoint").map((e) => [String(e.meta.step), digestLink(e.subjects[0])]))));
     return parts;
   }
@@ -573,7 +634,7 @@ function viewCheckpoint(checked, digest) {
   const manifest = documentOf(checked, digest, "checkpoint manifest");
   if (manifest.error) return [el("p", { class: "error", text: manifest.error })];
   const m = manifest.value;
-  return [el("h2", { text: `Checkpoint, step ${String(m.step)}` }),
+  return [el("h2", { text: `Training checkpoint, step ${String(m.step)}` }),
     el("p", {}, "Of run ", digestLink(String(m.run)), "."),
     table(["path", "sha256", "size"], (m.files || []).map((f) =>
       [String(f.path), digestLink(String(f.sha256)), String(f.size)]))];
@@ -597,28 +658,76 @@ function viewOf(checked, digest) {
   return [];
 }
 
+// What a search asks for: a digest, an entry (#index), a page of the log (`recent`,
+// `kind:KIND`, `author:NAME`, `before:INDEX`, in any order) or a dataset (NAME or NAME@TAG).
+function parseSearch(q) {
+  const byIndex = /^#?([0-9]{1,15})$/.exec(q);
+  if (byIndex) return { path: `/api/entry?index=${byIndex[1]}`, query: { index: Number(byIndex[1]) } };
+  if (/^(sha256|blake3):/.test(q)) return { path: `/api/lookup?digest=${encodeURIComponent(q)}`, query: {}, digest: true };
+  const words = q.split(/\s+/);
+  if (words.every((w) => /^(recent|kind:\S+|author:\S+|before:[0-9]{1,15})$/.test(w))) {
+    const query = { log: true };
+    const params = new URLSearchParams();
+    for (const w of words) {
+      const [name, value] = [w.slice(0, w.indexOf(":")), w.slice(w.indexOf(":") + 1)];
+      if (w === "recent") continue;
+      if (name === "before") query.before = Number(value);
+      else query[name] = value;
+      params.set(name, value);
+    }
+    return { path: `/api/log?${params}`, query };
+  }
+  const dataset = /^([^@]+)(?:@([^@]+))?$/.exec(q);
+  if (!dataset) throw new Error(`${q}: not a digest, #index, dataset NAME@TAG, recent, kind:KIND or author:NAME`);
+  const [, name, tag] = dataset;
+  const params = new URLSearchParams({ name });
+  if (tag) params.set("tag", tag);
+  return { path: `/api/dataset?${params}`, query: { dataset: { name, tag: tag || "", reference: q } } };
+}
+
+function logTitle(query) {
+  const words = [query.kind ? `Entries of kind ${query.kind}` : "Recent entries"];
+  if (query.author) words.push(`by ${query.author}`);
+  return words.join(" ") + ", newest first";
+}
+
 // Only the latest search shows its answer, however the answers arrive.
 let searches = 0;
+
+// A search the user asks for: it becomes the address's fragment, so that Back and Forward
+// (which change only the fragment) bring the earlier view back through `hashchange`.
+function go(text) {
+  const q = text.trim();
+  const fragment = "#" + encodeURIComponent(q);
+  if (q && location.hash !== fragment) location.hash = fragment;
+  else search(q);
+}
 
 async function search(text) {
   const turn = ++searches;
   const q = text.trim();
   $("search").value = q;
-  if (location.hash.slice(1) !== encodeURIComponent(q)) history.replaceState(null, "", "#" + encodeURIComponent(q));
   clear();
   if (!q) return;
-  const byIndex = /^#?([0-9]{1,15})$/.exec(q);
-  const query = byIndex ? { index: Number(byIndex[1]) } : {};
+  let asked;
+  try {
+    asked = parseSearch(q);
+  } catch (error) {
+    status(error.message, true);
+    return;
+  }
+  const { query } = asked;
   status(`Looking up ${q} …`);
   let answer;
   try {
-    answer = await api(byIndex ? `/api/entry?index=${byIndex[1]}` : `/api/lookup?digest=${encodeURIComponent(q)}`);
+    answer = await api(asked.path);
   } catch (error) {
     if (turn === searches) status(error.message, true);
     return;
   }
   if (turn !== searches) return;
-  if (!byIndex) query.digest = String(answer.query);
+  if (asked.digest) query.digest = String(answer.query);
+  if (query.log && query.before === undefined) query.before = Number.MAX_SAFE_INTEGER;
   status("Verifying …");
   let checked;
   try {
@@ -629,11 +738,49 @@ async function search(text) {
   }
   if (turn !== searches) return;
   showVerdict(checked, answer);
-  showEntries(checked);
   status("");
-  if (!checked.failures.length && query.digest) {
-    $("view").replaceChildren(...viewOf(checked, query.digest));
+  if (checked.failures.length) return;
+  names = new Map();
+  for (const { entry } of [...checked.entries, ...checked.named]) {
+    const name = nameOf(entry);
+    if (name && entry.subjects.length && !names.has(entry.subjects[0])) names.set(entry.subjects[0], name);
   }
+  if (query.log) {
+    showEntries(checked, logTitle(query));
+    const next = answer.next;
+    if (Number.isSafeInteger(next) && next > 0) {
+      const words = q.split(/\s+/).filter((w) => !w.startsWith("before:"));
+      const older = [...words.filter((w) => w !== "recent"), `before:${next}`].join(" ");
+      $("entries").append(el("p", {}, el("button", {
+        type: "button", id: "older", text: "Older entries", onclick: () => go(older),
+      })));
+    }
+    return;
+  }
+  showEntries(checked);
+  if (query.digest) {
+    $("view").replaceChildren(...viewOf(checked, query.digest));
+  } else if (query.dataset) {
+    const newest = checked.entries[0].entry;
+    const authors = [...new Set(checked.entries.map((s) => s.entry.author))];
+    const parts = viewDataset(checked, newest.subjects[0], newest);
+    if (authors.length > 1) {
+      parts.splice(1, 0, el("p", { class: "error", text:
+        `Pinned as ${query.dataset.reference} by more than one author (${authors.join(", ")}): the newest pin is shown.` }));
+    }
+    $("view").replaceChildren(...parts);
+  }
+}
+
+function searchFromFragment() {
+  let wanted = "";
+  try {
+    wanted = decodeURIComponent(location.hash.slice(1));
+  } catch {
+    status("the address after # is not a search", true);
+    return;
+  }
+  search(wanted);
 }
 
 async function refresh() {
@@ -648,24 +795,20 @@ async function refresh() {
     status(error.message, true);
     return;
   }
-  let wanted = "";
-  try {
-    wanted = decodeURIComponent(location.hash.slice(1));
-  } catch {
-    status("the address after # is not a search", true);
-  }
-  if (wanted) await search(wanted);
+  if (location.hash.length > 1) searchFromFragment();
 }
 
 document.addEventListener("DOMContentLoaded", () => {
   $("search-form").addEventListener("submit", (event) => {
     event.preventDefault();
-    search($("search").value);
+    go($("search").value);
   });
+  $("recent").addEventListener("click", () => go("recent"));
   $("settings-form").addEventListener("submit", (event) => {
     event.preventDefault();
     settings.save();
     refresh();
   });
+  window.addEventListener("hashchange", searchFromFragment);
   refresh();
 });
