@@ -8,21 +8,36 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from cli.commands import add_command
 from cli.output import print_json, shown
-from vault.client import VaultClient
-from vault.config import ROLES, Config, check_name, check_role
 
-Connect = Callable[[Config], VaultClient]
-# `vault token create --offline`, which writes into the vault's database on its host
-# (cli/serve.py): given the config, name, team and role, the token's id, role and secret.
-CreateOffline = Callable[[Config, str, str, str], tuple[str, str, str]]
+if TYPE_CHECKING:
+    from vault.client import VaultClient
+    from vault.config import Config
+
+    Connect = Callable[[Config], VaultClient]
+    # `vault token create --offline`, which writes into the vault's database on its host
+    # (cli/serve.py): given the config, name, team and role, the token's id, role and secret.
+    CreateOffline = Callable[[Config, str, str, str], tuple[str, str, str]]
 
 
 def add_access_commands(sub: Any, connect: Connect, create_offline: CreateOffline) -> None:
-    p = sub.add_parser("token", help="create, list and revoke bearer tokens (administrators)")
+    add_command(
+        sub,
+        "token",
+        partial(_token_arguments, connect=connect, create_offline=create_offline),
+        help="create, list and revoke bearer tokens (administrators)",
+    )
+    add_command(sub, "keys", _keys_arguments, help="a CA and certificates for TLS and mutual TLS")
+
+
+def _token_arguments(
+    p: argparse.ArgumentParser, *, connect: Connect, create_offline: CreateOffline
+) -> None:
+    from vault.config import ROLES
+
     commands = p.add_subparsers(dest="token_command", required=True, metavar="COMMAND")
     q = commands.add_parser("create", help="print a new token's secret (shown once)")
     q.add_argument("--name", required=True, help="who holds it; recorded as the author")
@@ -43,7 +58,10 @@ def add_access_commands(sub: Any, connect: Connect, create_offline: CreateOfflin
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=partial(_revoke, connect=connect))
 
-    p = sub.add_parser("keys", help="a CA and certificates for TLS and mutual TLS")
+
+def _keys_arguments(p: argparse.ArgumentParser) -> None:
+    from vault.config import ROLES
+
     commands = p.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
     q = commands.add_parser("init", help="a new CA, and a server certificate signed by it")
     q.add_argument("folder", metavar="DIR")
@@ -67,6 +85,8 @@ def add_access_commands(sub: Any, connect: Connect, create_offline: CreateOfflin
 def _create(
     args: argparse.Namespace, config: Config, *, connect: Connect, create_offline: CreateOffline
 ) -> int:
+    from vault.config import check_name, check_role
+
     if args.offline:
         token_id, role, secret = create_offline(config, args.name, args.team, args.role)
     else:
@@ -123,6 +143,8 @@ def _revoke(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
 
 
 def _keys_init(args: argparse.Namespace, config: Config) -> int:
+    from pathlib import Path
+
     from cli.keys import init  # cryptography's x509 is slow to import; only these need it
 
     made = init(Path(args.folder), args.host)
@@ -140,6 +162,8 @@ def _keys_init(args: argparse.Namespace, config: Config) -> int:
 
 
 def _keys_issue(args: argparse.Namespace, config: Config) -> int:
+    from pathlib import Path
+
     from cli.keys import issue
 
     made = issue(Path(args.folder), name=args.name, team=args.team, role=args.role)

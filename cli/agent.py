@@ -18,12 +18,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from cli.output import error_line
-from cli.warm import Connect, WarmClient
-from vault.config import Config
 from vault.errors import FailedPrecondition, InvalidArgument, VaultError
+
+# The client (gRPC) loads when the agent starts, not for `vault admission-agent --help`.
+if TYPE_CHECKING:
+    from cli.warm import Connect
+    from vault.config import Config
 
 # A request is a few digests and names; anything longer is not the plugin talking.
 MAX_REQUEST: Final = 16 * 1024
@@ -44,12 +47,10 @@ log = logging.getLogger("pinvault.agent")
 ErrorLine = Callable[[VaultError], str]
 
 
-def add_agent_commands(sub: Any, connect: Connect) -> None:
-    p = sub.add_parser(
-        "admission-agent",
-        help="answer the Slurm plugin's admissions on a Unix socket, with one warm client",
-        description="One JSON line in, one JSON line out, per connection (slurm/README.md).",
-    )
+def agent_arguments(p: argparse.ArgumentParser, *, connect: Connect) -> None:
+    """The arguments of `vault admission-agent` (cli/main.py adds the command, and imports
+    this module only when it runs)."""
+    p.description = "One JSON line in, one JSON line out, per connection (slurm/README.md)."
     p.add_argument("--listen", required=True, metavar="unix:PATH", help="the socket to create")
     p.add_argument(
         "--mode",
@@ -75,6 +76,8 @@ class Agent:
     """The warm client and the answer to one request."""
 
     def __init__(self, config: Config, connect: Connect, error_line: ErrorLine) -> None:
+        from cli.warm import WarmClient
+
         self._vault = WarmClient(config, connect)
         self._error_line = error_line
 

@@ -7,26 +7,32 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from cli.commands import add_command
 from cli.output import print_json as _print_json
 from cli.output import shown
 from cli.progress import Progress
-from vault.client import VaultClient
-from vault.config import Config
-from vault.digest import Digest
-from vault.errors import InvalidArgument
-from vault.runs.dataset import add_dataset, checkout_dataset, diff_datasets, fetch_manifest
-from vault.runs.names import list_datasets, resolve_dataset, resolve_input
-from vault.store.hashcache import HashCache, default_path
 
-Connect = Callable[[Config], VaultClient]
+# The run library and the client load when a command here runs, not for `vault --help`.
+if TYPE_CHECKING:
+    from vault.client import VaultClient
+    from vault.config import Config
+
+    Connect = Callable[[Config], VaultClient]
 
 
 def add_dataset_commands(sub: Any, connect: Connect) -> None:
     """Add `vault dataset …` to the command's subparsers; `connect` makes the client."""
-    p = sub.add_parser("dataset", help="store, check out and compare folders by manifest")
+    add_command(
+        sub,
+        "dataset",
+        partial(_arguments, connect=connect),
+        help="store, check out and compare folders by manifest",
+    )
+
+
+def _arguments(p: argparse.ArgumentParser, *, connect: Connect) -> None:
     commands = p.add_subparsers(dest="dataset_command", required=True, metavar="COMMAND")
 
     q = commands.add_parser(
@@ -52,7 +58,7 @@ def add_dataset_commands(sub: Any, connect: Connect) -> None:
         help="read and hash every file, even those unchanged since they were last hashed",
     )
     q.add_argument("--json", action="store_true")
-    q.set_defaults(func=partial(_add, connect=connect))
+    q.set_defaults(func=partial(_add, connect=connect), moves_blobs=True)
 
     q = commands.add_parser("ls", help="every dataset name and tag, with the digest it names")
     q.add_argument("--author", default="", help="only the names this author pinned")
@@ -72,7 +78,7 @@ def add_dataset_commands(sub: Any, connect: Connect) -> None:
     q.add_argument("folder", metavar="DIR")
     q.add_argument("--author", default="", help="whose pin of the name (when several pinned it)")
     q.add_argument("--json", action="store_true")
-    q.set_defaults(func=partial(_checkout, connect=connect))
+    q.set_defaults(func=partial(_checkout, connect=connect), moves_blobs=True)
 
     q = commands.add_parser("diff", help="paths added, removed and changed from A to B")
     q.add_argument("old", metavar="A")
@@ -83,6 +89,12 @@ def add_dataset_commands(sub: Any, connect: Connect) -> None:
 
 
 def _add(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    from pathlib import Path
+
+    from vault.errors import InvalidArgument
+    from vault.runs.dataset import add_dataset
+    from vault.store.hashcache import HashCache, default_path
+
     if len(args.items) > 2:
         raise InvalidArgument("dataset add takes [NAME] DIR")
     name, folder = args.items if len(args.items) == 2 else (None, args.items[0])
@@ -136,6 +148,8 @@ def _reference(meta: Any) -> str:
 
 
 def _ls(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    from vault.runs.names import list_datasets
+
     with connect(config) as client:
         names = list_datasets(client, author=args.author)
     if args.json:
@@ -151,6 +165,9 @@ def _ls(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
 
 
 def _show(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    from vault.runs.dataset import fetch_manifest
+    from vault.runs.names import resolve_dataset
+
     with connect(config) as client:
         named = resolve_dataset(client, args.reference, author=args.author)
         manifest = fetch_manifest(client, named.digest)
@@ -167,6 +184,12 @@ def _show(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
 
 
 def _checkout(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    from pathlib import Path
+
+    from vault.digest import Digest
+    from vault.runs.dataset import checkout_dataset
+    from vault.runs.names import resolve_input
+
     with connect(config) as client:
         digest = str(Digest.parse(resolve_input(client, args.digest, author=args.author)))
         bar = Progress(f"dataset checkout {args.folder}", None)
@@ -189,6 +212,9 @@ def _checkout(args: argparse.Namespace, config: Config, *, connect: Connect) -> 
 
 
 def _diff(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    from vault.runs.dataset import diff_datasets
+    from vault.runs.names import resolve_input
+
     with connect(config) as client:
         old = resolve_input(client, args.old, author=args.author)
         new = resolve_input(client, args.new, author=args.author)

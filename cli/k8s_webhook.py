@@ -16,16 +16,18 @@ import ssl
 import threading
 import time
 from functools import partial
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
 from cli.output import error_line
-from cli.warm import Connect, WarmClient
-from vault.config import Config
-from vault.digest import Digest
 from vault.errors import InvalidArgument, Unavailable, VaultError
-from vault.http_edge import Edge, Limits, Request, Response
-from vault.runs.pins import check_input
+
+# The client (gRPC), the run library and the HTTP edge load when the webhook starts, not for
+# `vault k8s-webhook --help`.
+if TYPE_CHECKING:
+    from cli.warm import Connect, WarmClient
+    from vault.config import Config
+    from vault.http_edge import Limits, Request, Response
 
 # The annotation that names a pod's dataset manifest (a Job's: its pod template's).
 DATASET_ANNOTATION: Final = "pinvault.dev/dataset"
@@ -34,23 +36,31 @@ HEALTH_PATH: Final = "/healthz"
 # An AdmissionReview holds the object and, on UPDATE, its old version; etcd keeps an object
 # under 1.5 MiB.
 MAX_REQUEST: Final = 4 * 1024 * 1024
-# The API server's own timeout for a webhook is at most 30 s: a request's head (the TLS
-# handshake included) and its body each arrive within 10 s, or the connection is closed. The
-# API servers are a few addresses, each keeping many connections; anyone else is kept out by
-# the NetworkPolicy, and callers that drip bytes are evicted by newer connections.
-LIMITS: Final = Limits(
-    head_seconds=10.0,
-    body_seconds=10.0,
-    write_seconds=10.0,
-    work_seconds=25.0,
-    max_body_bytes=MAX_REQUEST,
-    per_address=64,
-    connections=512,
-    # Reviews that ask the vault, at once; more wait in a queue of 256, then get 503.
-    workers=16,
-    queue=256,
-    methods=frozenset({"GET", "HEAD", "POST"}),
-)
+
+
+def limits() -> Limits:
+    """The webhook's edge limits. The API server's own timeout for a webhook is at most 30 s:
+    a request's head (the TLS handshake included) and its body each arrive within 10 s, or the
+    connection is closed. The API servers are a few addresses, each keeping many connections;
+    anyone else is kept out by the NetworkPolicy, and callers that drip bytes are evicted by
+    newer connections."""
+    from vault.http_edge import Limits
+
+    return Limits(
+        head_seconds=10.0,
+        body_seconds=10.0,
+        write_seconds=10.0,
+        work_seconds=25.0,
+        max_body_bytes=MAX_REQUEST,
+        per_address=64,
+        connections=512,
+        # Reviews that ask the vault, at once; more wait in a queue of 256, then get 503.
+        workers=16,
+        queue=256,
+        methods=frozenset({"GET", "HEAD", "POST"}),
+    )
+
+
 # An input found pinned and intact is not asked about again for this long: a Job's pods carry
 # the same pins, and pins are never taken back.
 CHECKED_SECONDS: Final = 600.0
@@ -64,12 +74,12 @@ _CONTAINER_FIELDS: Final = (
 log = logging.getLogger("pinvault.k8s")
 
 
-def add_k8s_webhook_commands(sub: Any, connect: Connect) -> None:
-    p = sub.add_parser(
-        "k8s-webhook",
-        help="refuse Kubernetes pods and jobs whose image or dataset is not pinned",
-        description="A validating admission webhook over HTTPS (deploy/kubernetes/README.md); "
-        f"a pod names its dataset manifest in the annotation {DATASET_ANNOTATION}.",
+def webhook_arguments(p: argparse.ArgumentParser, *, connect: Connect) -> None:
+    """The arguments of `vault k8s-webhook` (cli/main.py adds the command, and imports this
+    module only when it runs)."""
+    p.description = (
+        "A validating admission webhook over HTTPS (deploy/kubernetes/README.md); "
+        f"a pod names its dataset manifest in the annotation {DATASET_ANNOTATION}."
     )
     p.add_argument("--listen", required=True, metavar="HOST:PORT", help="where to serve HTTPS")
     p.add_argument("--tls-cert", required=True, metavar="FILE", help="the certificate, PEM")
@@ -159,6 +169,8 @@ class Webhook:
         if checked is not None and time.monotonic() - checked < CHECKED_SECONDS:
             return None
         try:
+            from vault.runs.pins import check_input
+
             self._vault.call(lambda client: check_input(client, kind, digest))
         except Unavailable:
             raise
@@ -244,6 +256,8 @@ def _image_digest(image: str) -> str:
             f"image {image!r} is named by tag, not by digest: give it as repository@sha256:… "
             "with the digest pinned in the vault as an image"
         )
+    from vault.digest import Digest
+
     parsed = Digest.parse(digest)
     if parsed.algorithm != "sha256":
         raise InvalidArgument(
@@ -286,6 +300,8 @@ class _Answers:
         self.webhook = webhook
 
     def __call__(self, request: Request) -> Response:
+        from vault.http_edge import Response
+
         path = urlsplit(request.target).path
         if request.method in ("GET", "HEAD") and path == HEALTH_PATH:
             return Response(200, b"ok\n")
@@ -327,6 +343,9 @@ def _serve(args: argparse.Namespace, config: Config, *, connect: Connect) -> int
     address = _address(args.listen)
     tls = _tls(args.tls_cert, args.tls_key)
     log.setLevel(logging.INFO)
+    from cli.warm import WarmClient
+    from vault.http_edge import Edge
+
     vault = WarmClient(config, connect)
     stopped = threading.Event()
     try:
@@ -334,7 +353,7 @@ def _serve(args: argparse.Namespace, config: Config, *, connect: Connect) -> int
             "k8s webhook",
             _Answers(Webhook(vault)),
             *address,
-            limits=LIMITS,
+            limits=limits(),
             tls=tls,
             server="pinvault-webhook",
         )

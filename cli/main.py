@@ -1,47 +1,51 @@
-"""The `vault` command: one line of error and a non-zero exit for anything that goes wrong."""
+"""The `vault` command: one line of error (one JSON object with `--json`) and the exit status of
+its kind (docs/cli.md) for anything that goes wrong; a start that loads only the parser until a
+command runs."""
 
 from __future__ import annotations
 
 import argparse
-import base64
-import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any, Final, NoReturn
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 from cli.access import add_access_commands
-from cli.agent import add_agent_commands
+from cli.commands import add_command, lazy
 from cli.dataset import add_dataset_commands
-from cli.k8s_webhook import add_k8s_webhook_commands
 from cli.mirror import add_mirror_commands
-from cli.output import error_line, print_json, shown
-from cli.progress import Progress
+from cli.output import (
+    EXIT_FAILED,
+    EXIT_INTEGRITY,
+    EXIT_INTERRUPTED,
+    EXIT_IO,
+    EXIT_NOT_FOUND,
+    EXIT_USAGE,
+    fail,
+    print_json,
+    report,
+    shown,
+)
 from cli.run import add_run_commands
 from cli.serve import add_serve_command, create_token_offline
 from cli.signals import terminable
 from cli.tier import add_tier_commands
 from cli.times import time_arg
-from cli.verify_tiles import verify_tiles
-from vault import config as config_module
-from vault.client import BlobInfo, ProvenEntry, VaultClient
-from vault.client.audit import CHUNK, default_workers
-from vault.client.connect import open_client
-from vault.config import Config
-from vault.digest import Digest
-from vault.errors import ConfigError, InvalidArgument, VaultError
-from vault.ledger.cosignature import WitnessKey
-from vault.ledger.entry import KINDS, Entry
-from vault.store.allocator import keep_freed_buffers
 
-# The exit status of a usage error: argparse's for a bad argument, the command's for a bad
-# configuration.
-EXIT_USAGE: Final = 2
+# Only what the parser needs loads before a command runs: each command imports the client
+# (gRPC, protobuf), the ledger's signatures (cryptography) or the server inside its handler.
+if TYPE_CHECKING:
+    from vault.client import BlobInfo, ProvenEntry, VaultClient
+    from vault.config import Config
+    from vault.ledger.entry import Entry
+
+# Entries a worker of `vault verify` audits at once unless --chunk says otherwise (a power of
+# two; vault.client.audit.CHUNK is the library's default, and the same).
+AUDIT_CHUNK: Final = 1 << 16
 
 
 def _client(config: Config) -> VaultClient:
+    from vault.client.connect import open_client
+
     return open_client(config)
 
 
@@ -81,6 +85,11 @@ def _entry_line(entry: Entry) -> str:
 
 @terminable
 def cmd_put(args: argparse.Namespace, config: Config) -> int:
+    import os
+
+    from cli.progress import Progress
+    from vault.errors import InvalidArgument
+
     results = []
     with _client(config) as client:
         for path in args.paths:
@@ -112,6 +121,8 @@ def cmd_put(args: argparse.Namespace, config: Config) -> int:
 
 @terminable
 def cmd_get(args: argparse.Namespace, config: Config) -> int:
+    from cli.progress import Progress
+
     with _client(config) as client:
         if args.output and args.output != "-":
             stat = client.stat(args.digest) if not args.json else None
@@ -162,10 +173,13 @@ def cmd_find_missing(args: argparse.Namespace, config: Config) -> int:
     else:
         for d in missing:
             print(d)
-    return 1 if missing else 0
+    # The list is the answer; the status says whether it is empty, as a look-up's does.
+    return EXIT_NOT_FOUND if missing else 0
 
 
 def _parse_meta(items: Sequence[str]) -> dict[str, str]:
+    from vault.errors import InvalidArgument
+
     meta: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -202,8 +216,21 @@ def cmd_pin(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_lookup(args: argparse.Namespace, config: Config) -> int:
-    with _client(config) as client:
-        found = client.lookup(args.digest)
+    import base64
+
+    from vault.errors import NotFound
+
+    try:
+        with _client(config) as client:
+            found = client.lookup(args.digest)
+        if not found:
+            raise NotFound(f"no entry pins {args.digest}")
+    except NotFound:
+        # A digest never pinned: no entries, and the status of a look-up that found none
+        # (docs/cli.md); the reason goes to standard error.
+        if args.json:
+            print_json([])
+        raise
     if args.json:
         print_json([_proven_dict(p) for p in found])
         return 0
@@ -217,6 +244,10 @@ def cmd_lookup(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_log(args: argparse.Namespace, config: Config) -> int:
+    from vault.digest import Digest
+    from vault.errors import InvalidArgument
+    from vault.ledger.entry import KINDS
+
     if args.kind and args.kind not in KINDS:
         raise InvalidArgument(f"unknown kind {args.kind!r}: expected one of {', '.join(KINDS)}")
     with _client(config) as client:
@@ -237,6 +268,8 @@ def cmd_log(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_checkpoint(args: argparse.Namespace, config: Config) -> int:
+    import base64
+
     with _client(config) as client:
         if args.key:
             key = str(client.verifier())
@@ -292,6 +325,11 @@ def cmd_proof(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, config: Config) -> int:
+    from cli.progress import Progress
+    from cli.verify_tiles import verify_tiles
+    from vault import config as config_module
+    from vault.client.audit import default_workers
+
     overrides: dict[str, Any] = {}
     if args.witness:
         overrides["witnesses"] = " ".join(args.witness)
@@ -368,7 +406,9 @@ def cmd_verify(args: argparse.Namespace, config: Config) -> int:
     result["ok"] = ok
     if args.json:
         print_json(result)
-    return 0 if ok else 1
+    # What it found is printed above; a break is an integrity failure, as a failed check that
+    # stops the audit is (docs/cli.md).
+    return 0 if ok else EXIT_INTEGRITY
 
 
 def _copies_line(step: Any) -> str:
@@ -384,6 +424,8 @@ def _copies_line(step: Any) -> str:
 
 
 def _when(seconds: float) -> str:
+    from datetime import UTC, datetime
+
     return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -415,20 +457,30 @@ def _power_of_two(text: str) -> int:
 
 
 def _witness_key(text: str) -> str:
+    from vault.errors import InvalidArgument
+    from vault.ledger.cosignature import WitnessKey
+
     try:
         return str(WitnessKey.from_string(text))
     except InvalidArgument as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+class UsageError(Exception):
+    """A command line the parser refuses; `main` reports it as every other error, exit 2."""
+
+
 class _Parser(argparse.ArgumentParser):
-    """Usage errors in one line, as every other error of the command; exit status 2."""
+    """Usage errors in one line (one JSON object with --json), as every other error of the
+    command; exit status 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"vault: {' '.join(message.split())} (see {self.prog} --help)\n")
+        raise UsageError(f"{' '.join(message.split())} (see {self.prog} --help)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, lazy_commands: bool = False) -> argparse.ArgumentParser:
+    """The command's parser; with `lazy_commands`, each command's arguments are added only
+    when it is the one run (cli/commands.py), as `main` does."""
     parser = _Parser(
         prog="vault", description="pinvault: a verifiable pin vault and content store."
     )
@@ -440,37 +492,115 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-dir", help="data folder for `serve` (default: ~/.local/share/pinvault)"
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    if lazy_commands:
+        lazy(parser)
+    parser.epilog = "Exit statuses: docs/cli.md (0 ok, 2 usage, 64-78 by kind of failure)."
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     add_serve_command(sub)
+    add_command(
+        sub,
+        "put",
+        _put_arguments,
+        help="store files (or - for standard input); prints their digests",
+    )
+    add_command(sub, "get", _get_arguments, help="fetch a blob by digest, verified")
+    add_command(sub, "stat", _stat_arguments, help="size, digests, time stored and pins of a blob")
+    add_command(
+        sub,
+        "find-missing",
+        _find_missing_arguments,
+        help=f"print the digests the store lacks (exit {EXIT_NOT_FOUND} if any)",
+    )
+    add_command(sub, "pin", _pin_arguments, help="append a pin entry to the ledger")
+    add_command(
+        sub,
+        "lookup",
+        _lookup_arguments,
+        help="entries pinning a digest, with verified inclusion proofs "
+        f"(exit {EXIT_NOT_FOUND} if none)",
+    )
+    add_command(sub, "log", _log_arguments, help="page through ledger entries")
+    add_command(
+        sub,
+        "checkpoint",
+        _checkpoint_arguments,
+        help="print the latest signed checkpoint (verified)",
+    )
+    add_command(sub, "proof", _proof_arguments, help="print an inclusion or consistency proof")
+    add_command(
+        sub,
+        "verify",
+        _verify_arguments,
+        help="audit the whole ledger (and with --blobs, every pinned blob)",
+    )
 
-    p = sub.add_parser("put", help="store files (or - for standard input); prints their digests")
+    add_dataset_commands(sub, _client)
+    add_mirror_commands(sub)
+    add_tier_commands(sub)
+    add_run_commands(sub, _client)
+    add_access_commands(sub, _client, create_token_offline)
+    # The two servers of the scheduler's side: their modules load only when they run.
+    add_command(
+        sub,
+        "admission-agent",
+        _agent_arguments,
+        help="answer the Slurm plugin's admissions on a Unix socket, with one warm client",
+    )
+    add_command(
+        sub,
+        "k8s-webhook",
+        _webhook_arguments,
+        help="refuse Kubernetes pods and jobs whose image or dataset is not pinned",
+    )
+    return parser
+
+
+def _agent_arguments(p: argparse.ArgumentParser) -> None:
+    from cli.agent import agent_arguments
+
+    agent_arguments(p, connect=_client)
+
+
+def _webhook_arguments(p: argparse.ArgumentParser) -> None:
+    from cli.k8s_webhook import webhook_arguments
+
+    webhook_arguments(p, connect=_client)
+
+
+def _put_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH")
     p.add_argument("--expect", metavar="DIGEST", help="refuse unless the bytes hash to DIGEST")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_put)
+    p.set_defaults(func=cmd_put, moves_blobs=True)
 
-    p = sub.add_parser("get", help="fetch a blob by digest, verified")
+
+def _get_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("digest")
     p.add_argument("-o", "--output", help="write to this path (default: standard output)")
     p.add_argument("--offset", type=_non_negative, default=0)
     p.add_argument("--length", type=_non_negative)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_get)
+    p.set_defaults(func=cmd_get, moves_blobs=True)
 
-    p = sub.add_parser("stat", help="size, digests, time stored and pins of a blob")
+
+def _stat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("digest")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_stat)
 
-    p = sub.add_parser("find-missing", help="print the digests the store lacks (exit 1 if any)")
+
+def _find_missing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "digests", nargs="*", metavar="DIGEST", help="digests, or - / none for standard input"
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_find_missing)
 
-    p = sub.add_parser("pin", help="append a pin entry to the ledger")
+
+def _pin_arguments(p: argparse.ArgumentParser) -> None:
+    from vault.ledger.entry import KINDS
+
     p.add_argument("kind", choices=KINDS)
     p.add_argument("digests", nargs="+", metavar="DIGEST")
     p.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE")
@@ -480,12 +610,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_pin)
 
-    p = sub.add_parser("lookup", help="entries pinning a digest, with verified inclusion proofs")
+
+def _lookup_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("digest")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_lookup)
 
-    p = sub.add_parser("log", help="page through ledger entries")
+
+def _log_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind")
     p.add_argument("--digest")
     p.add_argument("--author")
@@ -498,12 +630,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object a line")
     p.set_defaults(func=cmd_log)
 
-    p = sub.add_parser("checkpoint", help="print the latest signed checkpoint (verified)")
+
+def _checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key", action="store_true", help="print the vault's verifier key instead")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_checkpoint)
 
-    p = sub.add_parser("proof", help="print an inclusion or consistency proof")
+
+def _proof_arguments(p: argparse.ArgumentParser) -> None:
     proofs = p.add_subparsers(dest="proof", required=True, metavar="KIND")
     q = proofs.add_parser("inclusion", help="entry INDEX is in the tree of size --size")
     q.add_argument("index", type=_non_negative)
@@ -515,9 +649,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_proof)
 
-    p = sub.add_parser(
-        "verify", help="audit the whole ledger (and with --blobs, every pinned blob)"
-    )
+
+def _verify_arguments(p: argparse.ArgumentParser) -> None:
+    from pathlib import Path
+
     p.add_argument("--blobs", action="store_true")
     p.add_argument(
         "--tiles",
@@ -537,9 +672,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--chunk",
         type=_power_of_two,
-        default=CHUNK,
+        default=AUDIT_CHUNK,
         metavar="ENTRIES",
-        help=f"entries a worker audits at once, a power of two (default {CHUNK})",
+        help=f"entries a worker audits at once, a power of two (default {AUDIT_CHUNK})",
     )
     p.add_argument(
         "--witness",
@@ -565,58 +700,69 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_verify)
 
-    add_dataset_commands(sub, _client)
-    add_mirror_commands(sub)
-    add_tier_commands(sub)
-    add_run_commands(sub, _client)
-    add_access_commands(sub, _client, create_token_offline)
-    add_agent_commands(sub, _client)
-    add_k8s_webhook_commands(sub, _client)
-    return parser
-
 
 def main(argv: Sequence[str] | None = None) -> int:
-    keep_freed_buffers()
-    parser = build_parser()
     words = list(sys.argv[1:] if argv is None else argv)
     # `vault run|replay … -- SBATCH_ARGS`: what follows `--` is passed on untouched.
     passed_on: list[str] | None = None
     if "--" in words:
         cut = words.index("--")
         words, passed_on = words[:cut], words[cut + 1 :]
-    args = parser.parse_args(words)
+    # Before the parser has read it: a usage error of a command run with --json is JSON too.
+    as_json = "--json" in words
+    try:
+        args = build_parser(lazy_commands=True).parse_args(words)
+        if passed_on is not None and not hasattr(args, "sbatch_args"):
+            raise UsageError(f"unrecognized arguments: -- {' '.join(passed_on)} (see vault --help)")
+    except UsageError as exc:
+        return report("usage", str(exc), EXIT_USAGE, as_json=as_json)
     if passed_on is not None:
-        if not hasattr(args, "sbatch_args"):
-            parser.error(f"unrecognized arguments: -- {' '.join(passed_on)}")
         args.sbatch_args = passed_on
+    as_json = bool(getattr(args, "json", False))
+    import logging
+
     logging.basicConfig(
         level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        config = config_module.load(args.config)
-        overrides: dict[str, Any] = {}
-        if args.server:
-            overrides["client"] = {"server": args.server}
-        if args.data_dir:
-            overrides["data_dir"] = args.data_dir
-        if overrides:
-            config = config_module.apply(config, overrides, "the command line")
-        return int(args.func(args, config))
-    except VaultError as exc:
-        print(f"vault: {error_line(exc)}", file=sys.stderr)
-        # A configuration the command cannot run with is a usage error, as argparse's are.
-        return EXIT_USAGE if isinstance(exc, ConfigError) else 1
+        return _run(args)
+    except UsageError as exc:
+        return report("usage", str(exc), EXIT_USAGE, as_json=as_json)
     except KeyboardInterrupt:
-        print("vault: interrupted", file=sys.stderr)
-        return 130
+        return report("interrupted", "interrupted", EXIT_INTERRUPTED, as_json=as_json)
     except BrokenPipeError:
-        return 1
+        return EXIT_FAILED
     except OSError as exc:
         # A file or folder the command or server was told to use is unusable.
         where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
-        print(f"vault: {exc.strerror or exc}" + (f": {where}" if where else ""), file=sys.stderr)
-        return 1
+        message = f"{exc.strerror or exc}" + (f": {where}" if where else "")
+        return report("io", message, EXIT_IO, as_json=as_json)
+    except Exception as exc:
+        # Imported here, as everything but the parser is: no VaultError is an OSError.
+        from vault.errors import VaultError
+
+        if isinstance(exc, VaultError):
+            return fail(exc, as_json=as_json)
+        raise
+
+
+def _run(args: argparse.Namespace) -> int:
+    from vault import config as config_module
+
+    if getattr(args, "moves_blobs", False):
+        from vault.store.allocator import keep_freed_buffers
+
+        keep_freed_buffers()
+    config = config_module.load(args.config)
+    overrides: dict[str, Any] = {}
+    if args.server:
+        overrides["client"] = {"server": args.server}
+    if args.data_dir:
+        overrides["data_dir"] = args.data_dir
+    if overrides:
+        config = config_module.apply(config, overrides, "the command line")
+    return int(args.func(args, config))
 
 
 if __name__ == "__main__":

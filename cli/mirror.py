@@ -9,24 +9,27 @@ import argparse
 import time
 from typing import TYPE_CHECKING, Any
 
+from cli.commands import add_command
 from cli.output import print_json, shown
-from cli.progress import Progress
-from vault.config import Config, file_path
-from vault.errors import IntegrityError, Unavailable
-from vault.files import size_text
 
 # The server's modules (and the mirrors and botocore under them) load only when a command here
 # runs: every other `vault` command, the Slurm plugin's too, starts without them.
 if TYPE_CHECKING:
+    from vault.config import Config
     from vault.server.mirror_admin import MirrorAdded
 
 
 def add_mirror_commands(sub: Any) -> None:
     """Add `vault mirror …` to the command's subparsers."""
-
-    p = sub.add_parser(
-        "mirror", help="S3 peer mirrors: add, status, sync, repair (on the vault host)"
+    add_command(
+        sub,
+        "mirror",
+        _arguments,
+        help="S3 peer mirrors: add, status, sync, repair (on the vault host)",
     )
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
     commands = p.add_subparsers(dest="mirror_command", required=True, metavar="COMMAND")
 
     q = commands.add_parser(
@@ -50,7 +53,7 @@ def add_mirror_commands(sub: Any) -> None:
     q = commands.add_parser(
         "status",
         help="per mirror: reachable, verified objects and bytes, queued copies, lag, last "
-        "verified (exit 1 if any mirror is down)",
+        "verified (exit 69, unavailable, if any mirror is down)",
     )
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_status)
@@ -72,6 +75,7 @@ def add_mirror_commands(sub: Any) -> None:
 
 
 def _add(args: argparse.Namespace, config: Config) -> int:
+    from vault.config import file_path
     from vault.server import mirror_admin
 
     added = mirror_admin.add(
@@ -128,6 +132,8 @@ def _print_added(added: MirrorAdded, short: bool) -> None:
 
 
 def _status(args: argparse.Namespace, config: Config) -> int:
+    from vault.errors import Unavailable
+    from vault.files import size_text
     from vault.server import mirror_admin
 
     found = mirror_admin.status(config)
@@ -168,6 +174,8 @@ def _ago(seconds: float) -> str:
 
 
 def _sync(args: argparse.Namespace, config: Config) -> int:
+    from vault.errors import Unavailable
+    from vault.files import size_text
     from vault.server import mirror_admin
 
     synced = mirror_admin.sync(config, queue_only=args.queue_only)
@@ -205,6 +213,8 @@ def _sync(args: argparse.Namespace, config: Config) -> int:
 
 
 def _repair(args: argparse.Namespace, config: Config) -> int:
+    from cli.progress import Progress
+    from vault.errors import IntegrityError, Unavailable
     from vault.server import mirror_admin
 
     bar = Progress("mirror repair", None, unit="blobs")

@@ -5,48 +5,26 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Mapping
 from functools import partial
-from pathlib import Path
-from typing import Any, Final, NoReturn
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
+from cli.commands import add_command
 from cli.output import print_json, shown
-from vault.client import Admission, VaultClient
-from vault.config import (
-    ENV_CONFIG,
-    ENV_DATASET,
-    ENV_IMAGE,
-    ENV_REPLAY_LEASE,
-    ENV_REPLAY_OF,
-    ENV_RUN_ID,
-    ENV_SCRIPT,
-    ENV_SEED,
-    ENV_TEAM,
-    JOB_VARIABLES,
-    Config,
-)
-from vault.digest import Digest
-from vault.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, VaultError
-from vault.ledger.runid import parse_seed
-from vault.runs.metrics import read_metrics
-from vault.runs.mlflow_export import (
-    INSTALL_HINT,
-    OUTPUTS_ARTIFACT,
-    Exported,
-    MlflowTarget,
-    check_tracking_uri,
-    run_params,
-)
-from vault.runs.names import resolve_input
-from vault.runs.pins import require_pin
-from vault.runs.run import ENV_ARRAY_TASK as ARRAY_TASK
-from vault.runs.sealed import SealedRun, find_sealed_run
 
-Connect = Callable[[Config], VaultClient]
+# The client, the run library and what only a submission needs load when a command here runs,
+# not for `vault --help`.
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from vault.client import Admission, VaultClient
+    from vault.config import Config
+    from vault.errors import VaultError
+    from vault.runs.mlflow_export import Exported
+    from vault.runs.sealed import SealedRun
+
+    Connect = Callable[[Config], VaultClient]
 
 # The Slurm plugin (slurm/job_submit.lua) refuses a job that carries no pins with this, before it
 # asks the vault and before Slurm checks anything else of the job.
@@ -61,9 +39,34 @@ _INPUTS: Final = ("image", "dataset", "seed")
 
 
 def add_run_commands(sub: Any, connect: Connect) -> None:
-    p = sub.add_parser(
-        "admit", help="ask the vault to admit a job on pinned inputs; prints its run id"
+    add_command(
+        sub,
+        "admit",
+        partial(_admit_arguments, connect=connect),
+        help="ask the vault to admit a job on pinned inputs; prints its run id",
     )
+    add_command(
+        sub,
+        "run",
+        partial(_run_arguments, connect=connect),
+        help="check a job's pins, pin the run and submit it with sbatch; or export a sealed run",
+        usage="vault run --image DIGEST --dataset DIGEST [--config FILE] --seed SEED "
+        "[--team TEAM] -- SBATCH_ARGS...\n       vault run export RUN --mlflow URI "
+        "[--experiment NAME] [--json]",
+        description="Everything after -- goes to sbatch (options, then the batch script).",
+    )
+    add_command(
+        sub,
+        "replay",
+        partial(_replay_arguments, connect=connect),
+        help="resubmit a published run with its recorded inputs and seed",
+        usage="vault replay MANIFEST_DIGEST [--team TEAM] [-- SBATCH_ARGS...]",
+        description="Everything after -- goes to sbatch (options, then the batch script); "
+        "a team runs a limited number of replays at once.",
+    )
+
+
+def _admit_arguments(p: argparse.ArgumentParser, *, connect: Connect) -> None:
     _input_arguments(p, config_help="the config's digest")
     p.add_argument("--run-id", default="", help="refuse unless the inputs make this run id")
     p.add_argument("--replay-of", default="", metavar="MANIFEST", help=argparse.SUPPRESS)
@@ -74,14 +77,8 @@ def add_run_commands(sub: Any, connect: Connect) -> None:
     )
     p.set_defaults(func=partial(_admit, connect=connect))
 
-    p = sub.add_parser(
-        "run",
-        help="check a job's pins, pin the run and submit it with sbatch; or export a sealed run",
-        usage="vault run --image DIGEST --dataset DIGEST [--config FILE] --seed SEED "
-        "[--team TEAM] -- SBATCH_ARGS...\n       vault run export RUN --mlflow URI "
-        "[--experiment NAME] [--json]",
-        description="Everything after -- goes to sbatch (options, then the batch script).",
-    )
+
+def _run_arguments(p: argparse.ArgumentParser, *, connect: Connect) -> None:
     # Not required here, so that `vault run export` need not give them; `_run` requires them.
     _input_arguments(
         p, config_help="the config file (stored and pinned) or its digest", required=False
@@ -90,13 +87,16 @@ def add_run_commands(sub: Any, connect: Connect) -> None:
         "--json", action="store_true", help="one JSON object at the end instead of the steps"
     )
     # What follows `--` is sbatch's (the command splits it off before parsing).
-    p.set_defaults(func=partial(_run, connect=connect, usage=p.error), sbatch_args=[])
+    p.set_defaults(
+        func=partial(_run, connect=connect, usage=p.error), sbatch_args=[], moves_blobs=True
+    )
     actions = p.add_subparsers(dest="run_action", metavar="export", prog="vault run")
     q = actions.add_parser(
         "export",
         help="record a sealed run as an MLflow run (params, metrics, outputs by digest)",
         description="Writes one MLflow run for the run's manifest through MLflow's client "
-        f"({INSTALL_HINT}); a run exported before is found by its tag, not written again.",
+        "(pinvault's `mlflow` extra); a run exported before is found by its tag, not written "
+        "again.",
     )
     q.add_argument("run", metavar="RUN", help="the run id, or the digest of its run manifest")
     q.add_argument(
@@ -106,19 +106,14 @@ def add_run_commands(sub: Any, connect: Connect) -> None:
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=partial(_export, connect=connect, usage=q.error))
 
-    p = sub.add_parser(
-        "replay",
-        help="resubmit a published run with its recorded inputs and seed",
-        usage="vault replay MANIFEST_DIGEST [--team TEAM] [-- SBATCH_ARGS...]",
-        description="Everything after -- goes to sbatch (options, then the batch script); "
-        "a team runs a limited number of replays at once.",
-    )
+
+def _replay_arguments(p: argparse.ArgumentParser, *, connect: Connect) -> None:
     p.add_argument("manifest", metavar="MANIFEST_DIGEST")
     p.add_argument("--team", default="", help="default: client.team, or your credential's team")
     p.add_argument(
         "--json", action="store_true", help="one JSON object at the end instead of the steps"
     )
-    p.set_defaults(func=partial(_replay, connect=connect), sbatch_args=[])
+    p.set_defaults(func=partial(_replay, connect=connect), sbatch_args=[], moves_blobs=True)
 
 
 def _input_arguments(
@@ -138,6 +133,8 @@ def _input_arguments(
 
 
 def _admit(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    from vault.runs.names import resolve_input
+
     with connect(config) as client:
         args.dataset = resolve_input(client, args.dataset)
         admission = client.admit(
@@ -192,6 +189,11 @@ def _quiet(mark: str, what: str, detail: str) -> None:
 def _config_digest(client: VaultClient, value: str) -> tuple[str, str]:
     """The config's digest (given as one, or the file's, stored), and the name to pin it as
     `config` under: "" when it is pinned already or was given as a digest (admission checks it)."""
+    from pathlib import Path
+
+    from vault.digest import Digest
+    from vault.errors import InvalidArgument, NotFound
+
     if not value:
         return "", ""
     if ":" in value and not Path(value).exists():
@@ -208,6 +210,10 @@ def _config_digest(client: VaultClient, value: str) -> tuple[str, str]:
 
 
 def sbatch_command() -> str:
+    import shutil
+
+    from vault.errors import Unavailable
+
     command = shutil.which("sbatch")
     if command is None:
         raise Unavailable("sbatch is not on PATH: is this a Slurm submit host?")
@@ -216,6 +222,10 @@ def sbatch_command() -> str:
 
 def _sbatch(command: str, args: list[str], env: Mapping[str, str]) -> tuple[str, str]:
     """Run sbatch; its standard output and error, or raises with its reason."""
+    import subprocess
+
+    from vault.errors import FailedPrecondition, Unavailable
+
     try:
         done = subprocess.run(
             [command, *args], env=dict(env), capture_output=True, text=True, check=False
@@ -233,6 +243,9 @@ def check_submission(command: str, sbatch_args: list[str], env: Mapping[str, str
     anything is appended for it; raises with its reason if not. The job's pins are left out: a
     cluster that runs the pinvault plugin then refuses the job for that at once, without asking
     the vault (whose admission would append the run), once sbatch's own checks have passed."""
+    from vault.config import JOB_VARIABLES
+    from vault.errors import FailedPrecondition
+
     unpinned = {name: value for name, value in env.items() if name not in JOB_VARIABLES}
     try:
         _sbatch(command, ["--test-only", *sbatch_args], unpinned)
@@ -254,6 +267,8 @@ def job_environment(
 ) -> dict[str, str]:
     """The submitting environment plus the job's pins and run, as the Slurm plugin and the run
     library read them (docs/run-manifest.md)."""
+    from vault.config import ENV_CONFIG, ENV_DATASET, ENV_IMAGE, ENV_RUN_ID, ENV_SEED, ENV_TEAM
+
     inputs = admission.inputs
     env = dict(os.environ)
     env.update(
@@ -274,6 +289,8 @@ def job_environment(
 
 
 def _sbatch_args(args: argparse.Namespace) -> list[str]:
+    from vault.errors import InvalidArgument
+
     sbatch_args = list(args.sbatch_args)
     if not sbatch_args:
         raise InvalidArgument("nothing to submit: give sbatch's arguments after --")
@@ -283,6 +300,8 @@ def _sbatch_args(args: argparse.Namespace) -> list[str]:
 def batch_script(sbatch_args: list[str]) -> Path | None:
     """The batch script among sbatch's arguments: the first that names an existing file
     (options come before it; their values are rarely existing files)."""
+    from pathlib import Path
+
     for arg in sbatch_args:
         if not arg.startswith("-") and Path(arg).is_file():
             return Path(arg)
@@ -292,6 +311,12 @@ def batch_script(sbatch_args: list[str]) -> Path | None:
 def _run(
     args: argparse.Namespace, config: Config, *, connect: Connect, usage: Callable[[str], NoReturn]
 ) -> int:
+    from vault.config import ENV_SCRIPT
+    from vault.errors import VaultError
+    from vault.ledger.runid import parse_seed
+    from vault.runs.names import resolve_input
+    from vault.runs.pins import require_pin
+
     missing = [f"--{name}" for name in _INPUTS if getattr(args, name) is None]
     if missing:
         usage(f"the following arguments are required: {', '.join(missing)}")
@@ -371,6 +396,15 @@ def _run(
 def _export(
     args: argparse.Namespace, config: Config, *, connect: Connect, usage: Callable[[str], NoReturn]
 ) -> int:
+    from vault.runs.metrics import read_metrics
+    from vault.runs.mlflow_export import (
+        OUTPUTS_ARTIFACT,
+        MlflowTarget,
+        check_tracking_uri,
+        run_params,
+    )
+    from vault.runs.sealed import find_sealed_run
+
     given = [f"--{name}" for name in (*_INPUTS, "team") if getattr(args, name)]
     if args.run_config:
         given.append("--config")
@@ -419,6 +453,8 @@ def _export(
 def _exported_dict(
     exported: Exported, sealed: SealedRun, metric_values: int, skipped: str
 ) -> dict[str, Any]:
+    from vault.runs.mlflow_export import run_params
+
     return {
         "run": sealed.run_id,
         "manifest": sealed.digest,
@@ -443,6 +479,8 @@ def _not_submitted(client: VaultClient, admission: Admission, failure: VaultErro
     """Record that the run this command admitted was never submitted (its admission entry is in
     the ledger for good): a `run` entry with stage=not-submitted and sbatch's reason. Returns
     the error to show, which says what was recorded."""
+    from vault.errors import VaultError
+
     reason = shown(" ".join(str(failure).split()))[:_REASON_CHARS]
     try:
         proven = client.pin(
@@ -467,6 +505,15 @@ def _launched(job: str, admission: Admission) -> None:
 
 
 def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from vault.config import ENV_REPLAY_LEASE, ENV_REPLAY_OF, ENV_SCRIPT
+    from vault.digest import Digest
+    from vault.errors import InvalidArgument
+    from vault.runs.run import ENV_ARRAY_TASK
+    from vault.runs.sealed import find_sealed_run
+
     sbatch_args = list(args.sbatch_args)
     manifest_digest = str(Digest.parse(args.manifest))
     with connect(config) as client, tempfile.TemporaryDirectory(prefix="pinvault-replay-") as tmp:
@@ -492,7 +539,7 @@ def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
             # Stored, so that this replay's own manifest records the script it really ran.
             recorded = str(client.put(given).blob.sha256)
             script_line = f"{recorded}  ({given})"
-        task = manifest.environment.variables.get(ARRAY_TASK, "")
+        task = manifest.environment.variables.get(ENV_ARRAY_TASK, "")
         if task.isdecimal() and not any(a.startswith(("--array", "-a")) for a in sbatch_args):
             # A task of a job array runs again as that task, with the same SLURM_ARRAY_TASK_ID.
             sbatch_args.insert(0, f"--array={task}")

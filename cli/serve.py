@@ -7,18 +7,21 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from vault.config import Config
-from vault.errors import InvalidArgument
+from cli.commands import add_command
 
 # The server loads only when a command here runs: every other `vault` command, the Slurm
 # plugin's too, starts without it.
 if TYPE_CHECKING:
+    from vault.config import Config
     from vault.server.sequencer import Ahead
     from vault.server.serve import Serving
 
 
 def add_serve_command(sub: Any) -> None:
-    p = sub.add_parser("serve", help="run the vault server")
+    add_command(sub, "serve", _arguments, help="run the vault server")
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", help="address to listen on (host:port, port 0 picks one; unix:PATH)")
     p.add_argument(
         "--tiles-http",
@@ -38,7 +41,7 @@ def add_serve_command(sub: Any) -> None:
         help="also serve the ledger explorer, a read-only web page that verifies what it "
         "shows in the browser (loopback only; port 0 picks one)",
     )
-    p.set_defaults(func=_serve)
+    p.set_defaults(func=_serve, moves_blobs=True)
 
 
 def _serve(args: argparse.Namespace, config: Config) -> int:
@@ -76,6 +79,8 @@ def _serve_with(args: argparse.Namespace, config: Config, ahead: Ahead | None) -
 
 
 def _host_port(option: str, text: str) -> tuple[str, int]:
+    from vault.errors import InvalidArgument
+
     host, _, port = text.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     if not port.isdigit() or int(port) > 65535:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import signal
-import sys
 from collections.abc import Callable
 from types import FrameType
 from typing import Final, TypeVar
@@ -40,7 +39,9 @@ def terminable(command: Callable[[A, C], int]) -> Callable[[A, C], int]:
             finally:
                 signal.signal(signal.SIGTERM, previous)
         except Terminated:
-            print("vault: terminated", file=sys.stderr)
-            return EXIT_TERMINATED
+            from cli.output import report
+
+            as_json = bool(getattr(args, "json", False))
+            return report("terminated", "terminated", EXIT_TERMINATED, as_json=as_json)
 
     return run

@@ -7,14 +7,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from cli.commands import add_command
 from cli.output import print_json, shown
-from cli.progress import Progress
-from vault.config import Config
-from vault.errors import IntegrityError, Unavailable
-from vault.files import size_text
+
+if TYPE_CHECKING:
+    from vault.config import Config
 
 # The server's modules (and the tiers under them) load only when a command here runs: every
 # other `vault` command, the Slurm plugin's too, starts without them.
@@ -22,7 +21,25 @@ from vault.files import size_text
 
 def add_tier_commands(sub: Any) -> None:
     """Add `vault tier …`, `vault scrub` and `vault repair` to the command's subparsers."""
-    p = sub.add_parser("tier", help="tiers: status, migrate by policy (on the vault host)")
+    add_command(
+        sub, "tier", _tier_arguments, help="tiers: status, migrate by policy (on the vault host)"
+    )
+    add_command(
+        sub,
+        "scrub",
+        _scrub_arguments,
+        help="re-verify every copy on every tier now; repair bad ones",
+    )
+    add_command(
+        sub,
+        "repair",
+        _repair_arguments,
+        help="rewrite a blob's damaged or missing copies from a file that hashes to its digest "
+        "(on the vault host)",
+    )
+
+
+def _tier_arguments(p: argparse.ArgumentParser) -> None:
     commands = p.add_subparsers(dest="tier_command", required=True, metavar="COMMAND")
     q = commands.add_parser("status", help="per tier: blobs and bytes; the hot tier's fullness")
     q.add_argument("--json", action="store_true")
@@ -32,16 +49,14 @@ def add_tier_commands(sub: Any) -> None:
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_migrate)
 
-    p = sub.add_parser("scrub", help="re-verify every copy on every tier now; repair bad ones")
+
+def _scrub_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=0.0, help="MB/s to keep to (default: no limit)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_scrub)
 
-    p = sub.add_parser(
-        "repair",
-        help="rewrite a blob's damaged or missing copies from a file that hashes to its digest "
-        "(on the vault host)",
-    )
+
+def _repair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("digest", help="the blob's digest (sha256: or blake3:)")
     p.add_argument(
         "--from", dest="source", required=True, metavar="PATH", help="a file with its bytes"
@@ -51,6 +66,7 @@ def add_tier_commands(sub: Any) -> None:
 
 
 def _status(args: argparse.Namespace, config: Config) -> int:
+    from vault.files import size_text
     from vault.server import tier_admin
 
     report = tier_admin.status(config)
@@ -74,6 +90,9 @@ def _status(args: argparse.Namespace, config: Config) -> int:
 
 
 def _migrate(args: argparse.Namespace, config: Config) -> int:
+    from cli.progress import Progress
+    from vault.errors import IntegrityError
+    from vault.files import size_text
     from vault.server import tier_admin
 
     bar = Progress("tier migrate", None, unit="blobs")
@@ -117,6 +136,7 @@ def _migrate(args: argparse.Namespace, config: Config) -> int:
 
 
 def _scrub(args: argparse.Namespace, config: Config) -> int:
+    from cli.progress import Progress
     from vault.server import tier_admin
 
     bar = Progress("scrub", None)
@@ -134,7 +154,9 @@ def _scrub(args: argparse.Namespace, config: Config) -> int:
 
 def _scrub_through_server(args: argparse.Namespace, config: Config) -> int:
     """The tiers are held by a running `vault serve`: it scrubs them (Store.Scrub)."""
+    from cli.progress import Progress
     from vault.client.connect import open_client
+    from vault.errors import Unavailable
     from vault.server import tier_admin
 
     print(
@@ -157,6 +179,9 @@ def _scrub_through_server(args: argparse.Namespace, config: Config) -> int:
 
 
 def _repair(args: argparse.Namespace, config: Config) -> int:
+    from pathlib import Path
+
+    from vault.errors import IntegrityError, Unavailable
     from vault.server import tier_admin
 
     sha256, copies = tier_admin.repair(config, args.digest, Path(args.source))
@@ -188,6 +213,8 @@ def _repair(args: argparse.Namespace, config: Config) -> int:
 
 
 def _report_scrub(args: argparse.Namespace, stats: dict[str, int]) -> int:
+    from vault.errors import IntegrityError
+
     if args.json:
         print_json(stats)
     else:

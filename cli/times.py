@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import argparse
 import re
-from datetime import UTC, datetime, timedelta
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-from vault.errors import InvalidArgument
-from vault.ledger.entry import time_bound
+if TYPE_CHECKING:
+    from datetime import datetime
 
 _AGO = re.compile(r"([1-9][0-9]{0,5})([smhdw])")
 _DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
@@ -20,6 +19,11 @@ _FORMS: Final = "a duration such as 2h or 3d, a date such as 2026-11-24, or an R
 
 def time_arg(text: str, now: datetime | None = None) -> str:
     """`text` as the ledger writes times (RFC 3339, UTC, microseconds, `Z`)."""
+    from datetime import UTC, datetime, timedelta
+
+    from vault.errors import InvalidArgument
+    from vault.ledger.entry import time_bound
+
     ago = _AGO.fullmatch(text)
     if ago is not None:
         moment = (now or datetime.now(UTC)) - timedelta(seconds=int(ago[1]) * _SECONDS[ago[2]])

@@ -388,7 +388,7 @@ def test_a_writer_resolves_dataset_names_but_may_not_read_the_whole_log(vault: V
     assert (shown.json()["digest"], shown.json()["author"]) == (manifest, "alice")
     # The whole ledger's log stays an audit.
     refused = vault.server.run("log", env=env)
-    assert refused.returncode == 1
+    assert refused.returncode == 77  # EX_NOPERM
     assert refused.error_line().startswith(
         "vault: PERMISSION_DENIED: alice (writer) may not call Ledger.Log but for dataset pins"
     )

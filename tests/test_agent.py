@@ -290,7 +290,7 @@ def test_the_socket_is_private_and_removed_when_the_agent_stops(
                 timeout=60,
                 check=False,
             )
-            assert second.returncode == 1
+            assert second.returncode == 78  # FAILED_PRECONDITION
             assert second.stderr == (
                 f"vault: FAILED_PRECONDITION: another process already answers on {agent.socket}\n"
             )
@@ -330,5 +330,5 @@ def test_a_bad_listen_address_is_one_line(listen: str, error: str) -> None:
         timeout=60,
         check=False,
     )
-    assert done.returncode == 1
+    assert done.returncode == 64  # INVALID_ARGUMENT
     assert done.stderr.count("\n") == 1 and error in done.stderr, done.stderr

@@ -7,6 +7,7 @@ mirror that does not answer at all is still told apart as unreachable."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -164,7 +165,7 @@ def test_vault_repairs_a_mirror_copy_minio_finds_rotten_and_tells_an_unreachable
 
         def mirrored() -> bool:
             status = server.run("mirror", "status", "--json", env=host)
-            assert status.returncode == 1, status.describe()  # c is down
+            assert status.returncode == 69, status.describe()  # c is down: unavailable
             rows = status.json()
             return all(row["objects"] == 1 for row in rows if row["name"] in ("a", "b"))
 
@@ -179,9 +180,10 @@ def test_vault_repairs_a_mirror_copy_minio_finds_rotten_and_tells_an_unreachable
 
         rot_on_a()
         down = server.run("mirror", "status", "--json", env=host)
-        assert down.error_line().startswith("vault: UNAVAILABLE: mirrors down: c ("), (
-            down.describe()
-        )
+        # With --json, the error is one JSON object on standard error (docs/cli.md).
+        error = json.loads(down.stderr.splitlines()[-1])["error"]
+        assert (down.returncode, error["kind"]) == (69, "unavailable"), down.describe()
+        assert error["message"].startswith("mirrors down: c ("), down.describe()
         status = {row["name"]: row for row in down.json()}
         assert (status["a"]["reachable"], status["c"]["reachable"]) == (True, False)
 

@@ -160,12 +160,12 @@ def test_in_local_mode_token_commands_say_tokens_need_credentials_mode(
     vault_server: VaultServer,
 ) -> None:
     shown = vault_server.run("token", "list")
-    assert shown.returncode == 1
+    assert shown.returncode == 78
     assert shown.error_line() == (
         "vault: FAILED_PRECONDITION: this vault has no tokens: they need auth.mode = "
         "\"credentials\" in the vault's configuration (local mode serves only its host's one "
         "user)"
     )
     shown = vault_server.run("token", "create", "--name", "x", "--team", "t", "--role", "reader")
-    assert shown.returncode == 1
+    assert shown.returncode == 78
     assert "FAILED_PRECONDITION" in shown.error_line()

@@ -202,7 +202,7 @@ def test_one_changed_byte_is_named_by_verify(
 
     server.restart()
     run = server.run("verify")
-    assert run.returncode == 1, run.describe()
+    assert run.returncode == 65, run.describe()
     assert "first break at index 3" in run.stdout, run.describe()
 
 

@@ -7,6 +7,7 @@ byte it did not verify: each attack below is refused with a non-zero exit and no
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 from collections.abc import Iterator
@@ -74,7 +75,10 @@ def test_a_lookup_answered_with_another_digests_proven_entries_is_refused(
 
     proxy.tamper("Ledger/Lookup", other_entries)
     run = through(proxy, vault_server, "lookup", asked, "--json", state=tmp_path / "state")
-    line = run.error_line()
+    # With --json, the error is one JSON object on standard error (docs/cli.md).
+    error = json.loads(run.stderr)["error"]
+    assert (run.returncode, error["kind"]) == (65, "integrity"), run.describe()
+    line = error["message"]
     assert f"asked for entries naming {asked}" in line and other in line, line
     assert run.output == b""
 

@@ -5,6 +5,7 @@ killed mid-upload, hanging or answering errors, and repair, through the real `va
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import threading
@@ -428,9 +429,10 @@ def test_vault_serve_replicates_survives_a_kill_and_vault_mirror_repairs(
         server.restart()
 
         down = vault_mirror("status", "--json")
-        assert down.error_line().startswith("vault: UNAVAILABLE: mirrors down: b ("), (
-            down.describe()
-        )
+        # With --json, the error is one JSON object on standard error (docs/cli.md).
+        error = json.loads(down.stderr.splitlines()[-1])["error"]
+        assert (down.returncode, error["kind"]) == (69, "unavailable"), down.describe()
+        assert error["message"].startswith("mirrors down: b ("), down.describe()
         status = {row["name"]: row for row in down.json()}
         assert status["b"]["reachable"] is False
         assert status["b"]["queued"] == len(files)

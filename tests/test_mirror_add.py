@@ -1,11 +1,12 @@
-"""`vault mirror add` as README.md's "Adding mirrors" tells it, on real S3 servers: from a config
-file without mirrors to three verified copies of a blob through a real `vault serve`, then
+"""`vault mirror add` as docs/guide.md's "Adding mirrors" tells it, on real S3 servers: from a
+config file without mirrors to three verified copies of a blob through a real `vault serve`, then
 `vault mirror status` failing on a mirror that is down; and every way an add can be refused,
 each in one line that leaves the config file as it was."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import stat
@@ -199,9 +200,10 @@ def test_from_a_config_without_mirrors_to_three_verified_copies(
         # A mirror down: status still reports every mirror, and fails naming the one down.
         own_minio.halt()
         down = status("--json")
-        assert down.error_line().startswith("vault: UNAVAILABLE: mirrors down: lab-c ("), (
-            down.describe()
-        )
+        # With --json, the error is one JSON object on standard error (docs/cli.md).
+        error = json.loads(down.stderr.splitlines()[-1])["error"]
+        assert (down.returncode, error["kind"]) == (69, "unavailable"), down.describe()
+        assert error["message"].startswith("mirrors down: lab-c ("), down.describe()
         rows = {row["name"]: row for row in down.json()}
         assert [rows[name]["reachable"] for name in ("lab-a", "lab-b", "lab-c")] == [
             True,

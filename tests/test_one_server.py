@@ -57,7 +57,7 @@ def test_a_second_server_on_the_same_data_folder_refuses_and_touches_nothing(
         state_home=tmp_path / "state",
         timeout=30,
     )
-    assert second.returncode == 1, second.describe()
+    assert second.returncode == 78, second.describe()
     assert second.error_line() == (
         f"vault: FAILED_PRECONDITION: another vault server (pid {first.process.pid}) is "
         f"serving the data folder {first.data_dir}: stop it, or give this one a data folder "

@@ -152,7 +152,7 @@ def test_another_team_cannot_pin_into_a_run_and_the_run_sees_only_its_own(
 
     # The command says the same in one line.
     shown = teams.command(teams.mallory_token, "pin", "checkpoint", theirs, run_id)
-    assert shown.returncode == 1
+    assert shown.returncode == 77
     assert shown.error_line() == (
         f"vault: PERMISSION_DENIED: {refused}: mallory writes for team 'speech'"
     )
@@ -266,7 +266,7 @@ def test_an_admission_record_cannot_be_pinned_and_run_ids_are_not_guessable(
         "--meta",
         f"seed={SEED}",
     )
-    assert shown.returncode == 1
+    assert shown.returncode == 77
     assert shown.error_line().startswith("vault: PERMISSION_DENIED: a `run` entry with stage=")
     assert teams.size() == size
 
@@ -303,7 +303,7 @@ def test_vault_admit_with_a_computed_run_id_is_refused(teams: Teams) -> None:
         f"--seed={SEED}",
         f"--run-id={bare.run_id}",
     )
-    assert shown.returncode == 1
+    assert shown.returncode == 64
     assert shown.error_line().startswith(
         f"vault: INVALID_ARGUMENT: run id {bare.run_id} does not name these inputs"
     )
@@ -386,7 +386,7 @@ def test_replay_refuses_a_manifest_another_team_sealed_for_the_run(
     shown = teams.command(
         teams.alice_token, "replay", sealed, "--team", "vision", path=str(called.parent)
     )
-    assert shown.returncode == 1, shown.stdout
+    assert shown.returncode == 77, shown.stdout
     assert shown.error_line() == (
         f"vault: PERMISSION_DENIED: run manifest {sealed} was sealed by mallory (team speech, "
         f"entry {pin.index}), not by team vision, which run {admission.run_id} was admitted "

@@ -139,7 +139,7 @@ def test_verify_blobs_names_a_damaged_dataset_file_and_vault_repair_rewrites_it(
     stored.write_bytes(damaged)
 
     run = server.run("verify", "--blobs")
-    assert run.returncode == 1, run.describe()
+    assert run.returncode == 65, run.describe()
     assert (
         f"  FAIL blob {member}: file {MEMBER} of dataset {dataset}: stored copy of {member} "
         "is damaged"
@@ -195,7 +195,7 @@ def test_a_missing_dataset_file_is_reported_and_restored_from_a_file(
         path.unlink()
 
     run = server.run("verify", "--blobs")
-    assert run.returncode == 1, run.describe()
+    assert run.returncode == 65, run.describe()
     assert (
         f"  FAIL blob {member}: file {MEMBER} of dataset {dataset}: catalogued but its bytes "
         "are missing"
@@ -242,7 +242,7 @@ def test_admission_refuses_a_dataset_with_a_known_damaged_file_until_it_is_repai
     with server.client() as client:
         client.pin("image", image, external=True)
     # The vault's own check finds the damage; admission then knows it without a read.
-    assert server.run("verify", "--blobs").returncode == 1
+    assert server.run("verify", "--blobs").returncode == 65
 
     admit = ("admit", "--image", image, "--dataset", dataset, "--seed", "7")
     refused = server.run(*admit).error_line()

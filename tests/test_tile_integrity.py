@@ -226,7 +226,7 @@ def test_vault_verify_names_a_damaged_tile_and_a_restart_writes_it_again(
     good = bundle.read_bytes()
     _flip(bundle, 300)
     refused = vault.run("verify", "--tiles", str(tiles))
-    assert refused.returncode == 1
+    assert refused.returncode == 65
     assert "tiles verification FAILED: tile/entries/000: " in refused.stdout
 
     vault.stop()

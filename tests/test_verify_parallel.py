@@ -62,7 +62,7 @@ def assert_first_break(
 ) -> list[dict[str, Any]]:
     server = start_vault("served", data_dir=data, env=ENV)
     run, report = audit(server)
-    assert run.returncode == 1, run.describe()
+    assert run.returncode == 65, run.describe()
     assert report["ok"] is False and report["ledger"]["first_break"] == index, run.describe()
     failures: list[dict[str, Any]] = report["ledger"]["failures"]
     assert failures[0]["index"] == index and reason in failures[0]["message"], run.describe()

@@ -90,7 +90,7 @@ def verify(start_vault: StartVault, data: Path, *args: str) -> VaultRun:
 
 
 def assert_first_break(run: VaultRun, index: int, reason: str) -> None:
-    assert run.returncode == 1, run.describe()
+    assert run.returncode == 65, run.describe()
     assert f"ledger verification FAILED: first break at index {index}" in run.stdout, run.describe()
     failures = re.findall(r"FAIL index (\d+): (.*)", run.stdout)
     assert failures and int(failures[0][0]) == index, run.describe()
@@ -270,7 +270,7 @@ def test_a_pinned_blob_whose_bytes_changed_on_disk(
     server = start_vault("served", data_dir=data, env=ENV)
     server.run("verify").ok()  # the ledger itself is intact; only --blobs reads the bytes
     run = server.run("verify", "--blobs")
-    assert run.returncode == 1, run.describe()
+    assert run.returncode == 65, run.describe()
     assert "ledger OK" in run.stdout
     (failure,) = re.findall(r"FAIL blob (\S+): (.*)", run.stdout)
     assert failure[0] == damaged and "damaged" in failure[1], run.describe()

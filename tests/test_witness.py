@@ -124,7 +124,7 @@ def test_checkpoints_are_cosigned_by_the_witness_and_a_client_requiring_it_accep
     absent = WitnessKey("witness.test/absent", SigningKey.generate("absent").verifier().public_key)
     keys = ("--witness", str(witness.key), "--witness", str(absent))
     run = server.run("verify", *keys, state_home=tmp_path / "state-2")
-    assert run.returncode == 1
+    assert run.returncode == 65
     assert run.error_line() == "vault: " + missing(2, absent, got=1, k=2, n=2)
     run = server.run("verify", *keys, "--min-witnesses", "1", state_home=tmp_path / "state-3")
     assert run.ok().stdout.splitlines()[0] == (
@@ -161,7 +161,7 @@ def test_a_rolled_back_server_is_refused_by_the_witness_and_by_clients_requiring
     assert "ledger OK" in fresh.stdout.splitlines()
     # Requiring the witness, the same new client refuses it.
     run = server.run("verify", "--witness", str(witness.key), state_home=tmp_path / "fresh-2")
-    assert run.returncode == 1
+    assert run.returncode == 65
     assert run.error_line() == "vault: " + missing(3, witness.key)
     with requiring(server, witness.key) as client, pytest.raises(VerificationError) as caught:
         client.checkpoint()
