@@ -252,26 +252,36 @@ def test_damaged_and_missing_tiles_are_written_again_from_the_database(vault: Va
 # -- written before signing, caught up at start --------------------------------------------
 
 
-def test_a_checkpoint_is_published_only_once_its_tiles_are_on_disk(vault: Vault) -> None:
+def test_a_checkpoint_is_published_only_once_its_tiles_are_on_disk(
+    vault: Vault, tmp_path: Path
+) -> None:
     first = vault.grow(300)
     vault.ledger.append([_pin(n) for n in range(300, 600)])
     # The folder for the next tiles cannot be made: a file is in its way.
     (vault.tiles / "tile/1").rename(vault.data / "level1")
     (vault.tiles / "tile/1").write_bytes(b"")
 
-    # The tiles of a size are written before it is signed: one whose tiles cannot be written
-    # is not signed, and the published checkpoint stays the one whose tiles are there.
+    # Signing writes no tile file: the size is signed, and its tiles are served all the same
+    # (as `vault serve` serves them, checked), made from the tree and the stored entries as
+    # they are asked for.
+    latest = vault.ledger.checkpoint(600)
+    held = tmp_path / "checkpoint-600"
+    held.write_text(latest.note)
+    served = vault.ledger.served_tiles
+    assert served is not None
+    with TilesServer(vault.tiles, checked=served.served_bytes) as checked:
+        outcome = tilecheck.run(
+            vault.verifier, checked.url, str(vault.key.verifier()), leaves=[0, 599], checkpoint=held
+        )
+    assert outcome.status == 0, outcome
+    # The tiles cannot be written: the published checkpoint stays the one whose tiles are.
     with pytest.raises(Unavailable, match=r"cannot write the ledger's tiles in .*tiles"):
-        vault.ledger.checkpoint(600)
-    vault.ledger.write_tiles()
-    with vault.db.read.connect() as conn:
-        signed = conn.execute(text("SELECT size FROM checkpoints")).scalars().all()
-    assert signed == [300]
+        vault.ledger.write_tiles()
     assert vault.get("/checkpoint")[2].decode() == first.note
     (vault.tiles / "tile/1").unlink()
-    latest = vault.ledger.checkpoint(600)
     vault.ledger.write_tiles()
     assert vault.get("/checkpoint")[2].decode() == latest.note
+    assert (vault.tiles / "tile/1/000.p/2").exists()
     assert vault.check(leaves=[0, 599]).status == 0
 
 

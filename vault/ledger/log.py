@@ -200,6 +200,7 @@ class Ledger:
                 size=lambda: self._tree.size,
                 nodes=lambda height, start, end: self._tree.nodes(height, start, end),
                 rewrite=self._rewrite_tile,
+                render=self._render_tile,
                 checkpoint_matches=self._checkpoint_matches,
                 republish=self._republish,
             )
@@ -465,24 +466,9 @@ class Ledger:
             if size < min_size:
                 raise NotFound(f"the ledger has {size} entries, fewer than {min_size}")
             self._refuse_if_faulty("sign")
-            self._tiles_before_signing(size)
             signed = self._sign(size)
             self._latest = signed
             return signed
-
-    def _tiles_before_signing(self, size: int) -> None:
-        """Write the tiles of the tree of `size` leaves before it is signed, so that every
-        checkpoint handed out (over gRPC, to witnesses, in the tile folder) has its tiles.
-        They go unsynced here, off the appenders' path, and are synced before the checkpointer
-        publishes a checkpoint over them: a crash can lose those of sizes signed since, and the
-        first pass after a start writes the partial tiles of every signed size again and checks
-        every tile (see `write_tiles` and `check_tiles`). While a long catch-up of a folder that
-        had no tiles is under way, the checkpointer writes them instead."""
-        if self.tiles is None or not self._tiles_caught_up:
-            return
-        if size - self.tiles.complete > TILES_STEP:
-            return
-        self.tiles.write(size, self._tree.nodes, self._bodies, durable=False)
 
     def _sign(self, size: int) -> SignedCheckpoint:
         checkpoint = Checkpoint(origin=self.origin, size=size, root=self._tree.root(size))
@@ -562,8 +548,9 @@ class Ledger:
         if self.tiles is None or self.fault is not None:
             return
         with self._tiles_lock:
-            # Every size signed once the tiles are caught up has its tiles on disk already.
-            if self._published <= size <= self.tiles.complete:
+            # Tiles of a size signed since the checkpointer last wrote them are made as they
+            # are asked for (ServedTiles), so the cosigned note may go out before them.
+            if self._published <= size <= self._tree.size and self._tiles_caught_up:
                 self.tiles.publish(note, size)
                 self._published = size
 
@@ -588,6 +575,10 @@ class Ledger:
         assert self.tiles is not None
         with self._tiles_lock:
             self.tiles.rewrite([tile], self._tree.nodes, self._bodies)
+
+    def _render_tile(self, tile: Tile) -> bytes | None:
+        assert self.tiles is not None
+        return self.tiles.render(tile, self._tree.nodes, self._bodies)
 
     def _checkpoint_matches(self, note: bytes) -> bool:
         try:
@@ -742,6 +733,15 @@ class Ledger:
             raise InvalidArgument(f"index {index} is not in a tree of size {size}")
         return self._tree.inclusion_proof(index, size)
 
+    def inclusion_proofs(self, indexes: Iterable[int], size: int) -> dict[int, tuple[bytes, ...]]:
+        """The inclusion proof of each of `indexes` in the tree of `size` leaves, by index, the
+        nodes they share read once (a batch look-up's proofs)."""
+        self._require(size)
+        wanted = set(indexes)
+        if wanted and max(wanted) >= size:
+            raise InvalidArgument(f"index {max(wanted)} is not in a tree of size {size}")
+        return self._tree.inclusion_proofs(wanted, size)
+
     def consistency_proof(self, old_size: int, new_size: int) -> list[bytes]:
         self._require(new_size)
         if old_size > new_size:
@@ -767,9 +767,15 @@ class Ledger:
         wanted = list(dict.fromkeys(digests))
         found: dict[str, list[StoredEntry]] = {d: [] for d in wanted}
         for start in range(0, len(wanted), QUERY_BATCH):
-            part = [digest_key(d) for d in wanted[start : start + QUERY_BATCH]]
-            for key, idx, body in self.db.naming("s.digest, e.idx, e.body", part):
-                found[digest_from_key(bytes(key))].append(StoredEntry(idx, bytes(body)))
+            # Each row's stored key back to the digest asked for by a lookup, not by decoding
+            # it; rows of the entries' subjects not asked for in this statement are left here
+            # (see `Database.naming`).
+            part = {digest_key(d): found[d] for d in wanted[start : start + QUERY_BATCH]}
+            rows = self.db.naming("s.digest, e.idx, e.body", list(part), every_subject=True)
+            for key, idx, body in rows:
+                entries = part.get(bytes(key))
+                if entries is not None:
+                    entries.append(StoredEntry(idx, bytes(body)))
         return found
 
     def pins_of_kind(self, digest: str, kind: str) -> list[tuple[StoredEntry, bool]]:

@@ -335,9 +335,15 @@ class TileStore:
                 return None
         return bundle(found)
 
-    def _differs(self, tile: Tile, nodes: Nodes, bodies: Bodies) -> bool:
+    def render(self, tile: Tile, nodes: Nodes, bodies: Bodies) -> bytes | None:
+        """The bytes `tile` has in the tree `nodes` gives (an entry bundle: the stored bodies,
+        each checked against its leaf hash); None for a bundle with an entry too long to
+        frame."""
         hashes = nodes(tile.height, tile.first, tile.first + tile.width)
-        expected = self._bundle(tile, hashes, bodies) if tile.level == ENTRIES else hashes
+        return self._bundle(tile, hashes, bodies) if tile.level == ENTRIES else hashes
+
+    def _differs(self, tile: Tile, nodes: Nodes, bodies: Bodies) -> bool:
+        expected = self.render(tile, nodes, bodies)
         return expected is not None and self._read(tile.path, len(expected) + 1) != expected
 
     def _read(self, relative: str, limit: int) -> bytes | None:
@@ -402,7 +408,10 @@ class ServedTiles:
     """What the tiles endpoint may serve: a tile, an entry bundle or the `checkpoint` file, only
     when its bytes match the tree the vault holds. A file that does not is written again from
     the database first (logged and counted in `rewritten`); one past the tree, or that cannot
-    be written again, is not served.
+    be written again, is not served. A tile within the tree that is not on disk (a partial
+    tile of a size signed since the checkpointer last wrote tiles) is made from the tree and
+    the stored entries as it is asked for: signing writes no file, and every signed size has
+    its tiles all the same.
 
     A file checked once is not hashed again while its inode, size, modification and change
     times stay the same (`served_bytes` is called on every request); `sweep` checks every file
@@ -415,17 +424,20 @@ class ServedTiles:
         size: Callable[[], int],
         nodes: Nodes,
         rewrite: Callable[[Tile], None],
+        render: Callable[[Tile], bytes | None],
         checkpoint_matches: Callable[[bytes], bool],
         republish: Callable[[], None],
     ) -> None:
         """`size`: the tree's size now; `nodes` as for TileStore; `rewrite(tile)`: write the
-        tile (a level 0 one with its bundle) again from the database; `checkpoint_matches`:
+        tile (a level 0 one with its bundle) again from the database; `render(tile)`: its
+        bytes, made from the tree and the stored entries; `checkpoint_matches`:
         whether a note is a checkpoint of this ledger signed by its key, over the tree held;
         `republish`: publish the latest checkpoint again."""
         self.store = store
         self._size = size
         self._nodes = nodes
         self._rewrite = rewrite
+        self._render = render
         self._checkpoint_matches = checkpoint_matches
         self._republish = republish
         self._checked: dict[str, tuple[int, int, int, int]] = {}
@@ -472,7 +484,7 @@ class ServedTiles:
         for attempt in range(2):
             found = self._read(relative)
             if found is None:
-                return None
+                return self._made(tile)
             data, stamp = found
             if cached:
                 with self._lock:
@@ -492,6 +504,20 @@ class ServedTiles:
             self._damaged(relative, tile, "damaged")
         log.error("%s still does not match the ledger's tree: not served", relative)
         return None
+
+    def _made(self, tile: Tile | None) -> bytes | None:
+        """A tile within the tree that is not on disk, made from the tree and the entries."""
+        if tile is None or not self._within(tile):
+            return None
+        try:
+            return self._render(tile)
+        except (VerificationError, Unavailable) as exc:
+            log.error("cannot make %s from the database: %s", tile.path, exc)
+            return None
+
+    def _within(self, tile: Tile) -> bool:
+        height = TILE_HEIGHT * max(tile.level, 0)
+        return (tile.first + tile.width) << height <= self._size()
 
     def _damaged(self, relative: str, tile: Tile | None, how: str) -> None:
         # A level 0 tile is written again with its entry bundle, and a bundle with its tile:
@@ -522,9 +548,9 @@ class ServedTiles:
     def _matches(self, tile: Tile | None, data: bytes) -> bool | None:
         if tile is None:
             return self._checkpoint_matches(data)
-        height = TILE_HEIGHT * max(tile.level, 0)
-        if (tile.first + tile.width) << height > self._size():
+        if not self._within(tile):
             return None
+        height = TILE_HEIGHT * max(tile.level, 0)
         expected = self._nodes(height, tile.first, tile.first + tile.width)
         if tile.level != ENTRIES:
             return data == expected

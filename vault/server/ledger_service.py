@@ -34,6 +34,10 @@ def entry_message(entry: StoredEntry) -> pb.Entry:
     return pb.Entry(index=entry.index, body=entry.body)
 
 
+def _index(entry: StoredEntry) -> int:
+    return entry.index
+
+
 def _checkpoint(signed: SignedCheckpoint) -> pb.Checkpoint:
     return pb.Checkpoint(note=signed.note)
 
@@ -149,7 +153,21 @@ class LedgerService(Service, rpc.LedgerServicer):
         """Fill `response` (a message with `checkpoint` and `consistency`) in place: each
         group's entries, each added by its `add` with an inclusion proof against one signed
         checkpoint that covers them all, and that checkpoint's consistency with `known_size`."""
-        needed = max((e.index + 1 for _, es in groups for e in es), default=0)
+        indexes = {e.index for _, es in groups for e in es}
+        signed = self._covering(max(indexes, default=-1) + 1, known_size)
+        proofs = self.ledger.inclusion_proofs(indexes, signed.size)
+        for add, entries in groups:
+            for e in entries:
+                proven = add()
+                proven.entry.index = e.index
+                proven.entry.body = e.body
+                proven.inclusion.extend(proofs[e.index])
+        self._seal(response, signed, known_size)
+
+    def _covering(self, needed: int, known_size: int) -> SignedCheckpoint:
+        """The signed checkpoint an answer's proofs are against: one that covers the first
+        `needed` entries and the tree of `known_size` the client verified, if this vault has
+        it."""
         if known_size > self.ledger.size:
             # The client saw a larger tree through another server of this vault (behind a
             # balancer): catch up with the database before proving consistency with it.
@@ -157,14 +175,11 @@ class LedgerService(Service, rpc.LedgerServicer):
         signed = self.signed(needed)
         if known_size > signed.size and known_size <= self.ledger.size:
             signed = self.signed(known_size)
+        return signed
+
+    def _seal(self, response: Any, signed: SignedCheckpoint, known_size: int) -> None:
+        """Put the checkpoint `signed` in `response`, and its consistency with `known_size`."""
         size = signed.size
-        inclusion_proof = self.ledger.inclusion_proof
-        for add, entries in groups:
-            for e in entries:
-                proven = add()
-                proven.entry.index = e.index
-                proven.entry.body = e.body
-                proven.inclusion.extend(inclusion_proof(e.index, size))
         response.checkpoint.note = signed.note
         consistency = response.consistency
         consistency.old_size = known_size
@@ -188,24 +203,43 @@ class LedgerService(Service, rpc.LedgerServicer):
         self.prove(response, [(response.entries.add, entries)], request.known_size)
         return response
 
+    def _named(self, digests: Sequence[str]) -> Mapping[str, Sequence[StoredEntry]]:
+        """The entries naming each of `digests`, in index order."""
+        if all(map(is_sha256, digests)):  # the usual batch: nothing to check one by one
+            return self.ledger.entries_for(digests)
+        # A blake3 alias names the same pins as its sha256 digest, as in Lookup.
+        keys = {d: self._lookup_keys(d) for d in digests}
+        found = self.ledger.entries_for(k for ks in keys.values() for k in ks)
+        return {
+            d: found[ks[0]]
+            if len(ks) == 1
+            else sorted({e.index: e for k in ks for e in found[k]}.values(), key=_index)
+            for d, ks in keys.items()
+        }
+
     @unary
     def LookupBatch(self, request: pb.LookupBatchRequest) -> pb.LookupBatchResponse:
         if len(request.digests) > MAX_LOOKUP_BATCH:
             raise InvalidArgument(
                 f"too many digests: {len(request.digests)} (at most {MAX_LOOKUP_BATCH} a call)"
             )
-        # A blake3 alias names the same pins as its sha256 digest, as in Lookup.
-        keys = {d: self._lookup_keys(d) for d in request.digests}
-        found = self.ledger.entries_for(k for ks in keys.values() for k in ks)
+        digests = list(request.digests)  # each read of the message makes new strings
+        named = self._named(digests)
+        indexes = {e.index for entries in named.values() for e in entries}
+        signed = self._covering(max(indexes, default=-1) + 1, request.known_size)
+        # One proof an entry, however many of the digests asked for name it.
+        proofs = self.ledger.inclusion_proofs(indexes, signed.size)
         response = pb.LookupBatchResponse()
-        groups = []
-        for d in request.digests:
-            result = response.results.add(digest=d)
-            entries = sorted(
-                {e.index: e for k in keys[d] for e in found[k]}.values(), key=lambda e: e.index
-            )
-            groups.append((result.entries.add, entries))
-        self.prove(response, groups, request.known_size)
+        # Each message made in place by its container's add: a message made alone and then
+        # given to a container is copied.
+        add = response.results.add
+        for d in digests:
+            add_entry = add(digest=d).entries.add
+            for e in named[d]:
+                entry = add_entry(inclusion=proofs[e.index]).entry
+                entry.index = e.index
+                entry.body = e.body
+        self._seal(response, signed, request.known_size)
         return response
 
     @unary
