@@ -1,7 +1,8 @@
 """Huge dataset manifests at admission, against a real `vault serve`: a refused manifest is
-refused again from memory (for good when the manifest itself is bad, for a short while when
-files are missing), admission reads no manifest larger than admission.max_manifest_bytes,
-and the fast reader of canonical manifests refuses exactly what the whole-document one does."""
+refused again from memory (for good when the manifest itself is bad or gives a stored file a
+wrong size, for a short while when files are missing), admission reads no manifest larger than
+admission.max_manifest_bytes, and the fast reader of canonical manifests refuses exactly what
+the whole-document one does."""
 
 from __future__ import annotations
 
@@ -193,6 +194,37 @@ def test_a_dataset_missing_files_is_refused_again_from_memory(lab: Lab) -> None:
     dataset = lab.pinned("dataset", manifest("a", "b", digest=absent))
     first = refusal(lab, dataset)
     assert f"dataset {dataset} is missing 1 of its 2 files' content (first: a)" in first
+    lab.blob_path(dataset).unlink()
+    assert refusal(lab, dataset) == first
+
+
+@pytest.mark.parametrize("engine", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_a_dataset_giving_a_stored_file_a_wrong_size_is_refused_naming_it(
+    start_vault: StartVault, request: pytest.FixtureRequest, engine: str
+) -> None:
+    database = request.getfixturevalue("postgres_url") if engine == "postgres" else None
+    lab = Lab(start_vault(database=database))
+    try:
+        _refuse_wrong_size(lab)
+    finally:
+        lab.client.close()
+
+
+def _refuse_wrong_size(lab: Lab) -> None:
+    good, stored = os.urandom(10), os.urandom(100)
+    lab.put(good)
+    lab.put(stored)
+    entries = [
+        FileEntry("good.bin", len(good), 0o644, "sha256:" + hashlib.sha256(good).hexdigest()),
+        FileEntry("wrong.bin", 99, 0o644, "sha256:" + hashlib.sha256(stored).hexdigest()),
+    ]
+    dataset = lab.pinned("dataset", encode_manifest(build_manifest(entries)))
+    first = refusal(lab, dataset)
+    assert (
+        f"dataset {dataset} says 'wrong.bin' is 99 bytes, but its content "
+        f"sha256:{hashlib.sha256(stored).hexdigest()} is stored with 100 bytes"
+    ) in first
+    # Neither the blob nor the manifest can change: the verdict is kept for good.
     lab.blob_path(dataset).unlink()
     assert refusal(lab, dataset) == first
 

@@ -254,7 +254,7 @@ def test_a_look_up_reads_the_entries_of_its_digest_by_key(ledger: Ledger) -> Non
 def test_a_batch_look_up_probes_each_entry_once_not_each_pair(ledger: Ledger) -> None:
     # Ledger.entries_for: QUERY_BATCH digests a statement, a LookupBatch's batch.
     batch = ledger.pinned[1000 : 1000 + QUERY_BATCH]
-    check_naming(ledger, "s.digest, e.idx, e.body", batch, batch=True)
+    check_naming(ledger, "s.digest, e.idx, e.body", batch, batch=True, every_subject=True)
 
 
 def test_admission_reads_the_pins_of_one_kind_by_key(ledger: Ledger) -> None:
@@ -314,7 +314,15 @@ def test_find_missing_searches_both_digests_by_key(ledger: Ledger) -> None:
 def test_admission_finds_a_manifests_lacking_files_by_key(ledger: Ledger) -> None:
     wanted = [bytes.fromhex(d.split(":")[1]) for d in ledger.blobs[:5000]]
     wanted += [hashlib.sha256(b"absent %d" % i).digest() for i in range(5000)]
-    check_catalogue(ledger.db, *lacking_query(wanted, sqlite=ledger.db.is_sqlite))
+    # Blob i is i bytes: every other stored digest is given a wrong size.
+    sizes = [i + i % 2 for i in range(len(wanted))]
+    statement = lacking_query(wanted, sizes, sqlite=ledger.db.is_sqlite)
+    check_catalogue(ledger.db, *statement)
+    ((places,),) = ledger.db.fetch(*statement)
+    assert sorted(map(int, places.split(","))) == [
+        *range(1, 5000, 2),
+        *range(5000, len(wanted)),
+    ]
 
 
 # -- the log ----------------------------------------------------------------------------------

@@ -222,12 +222,19 @@ class _Stop(Exception):
 
 def _first_file_of(data: bytes | bytearray, missing: set[bytes]) -> str:
     """The path of the first file, in manifest order, whose digest (raw) is one of `missing`."""
-    first: list[str] = []
+    return _first_of(data, missing)[0]
+
+
+def _first_of(data: bytes | bytearray, among: set[bytes]) -> tuple[str, bytes]:
+    """The path and digest (raw) of the first file, in manifest order, whose digest is one of
+    `among`."""
+    first: list[tuple[str, bytes]] = []
 
     def look(batch: list[RawFile]) -> None:
         for path, _, _, hexdigest in batch:
-            if binascii.a2b_hex(hexdigest) in missing:
-                first.append(path.decode())
+            raw = binascii.a2b_hex(hexdigest)
+            if raw in among:
+                first.append((path.decode(), raw))
                 raise _Stop
 
     with contextlib.suppress(_Stop):
@@ -425,8 +432,9 @@ class Admitter:
         # by one byte each cost about half of one full sort.
         wanted = sorted(summary.sizes, key=operator.itemgetter(1))
         wanted.sort(key=operator.itemgetter(0))
-        missing = self.content.lacking(wanted)
+        missing = self.content.lacking(wanted, summary.sizes)
         if missing:
+            self._refuse_wrong_size(digest, data, summary.sizes, missing)
             self._refuse(
                 digest,
                 FailedPrecondition(
@@ -447,6 +455,30 @@ class Admitter:
                 ),
                 for_seconds=min(self.policy.verify_interval, self.policy.missing_interval),
             )
+
+    def _refuse_wrong_size(
+        self, digest: str, data: bytearray, sizes: dict[bytes, int], lacking: set[bytes]
+    ) -> None:
+        """Refuse for good (blobs and manifests never change) a dataset whose manifest gives
+        a stored file another size than its blob's, naming the first such file."""
+        stored = self.content.find_many("sha256:" + sha256.hex() for sha256 in lacking)
+        wrong = {
+            sha256
+            for sha256 in lacking
+            if (blob := stored.get("sha256:" + sha256.hex())) is not None
+            and blob.info.size != sizes[sha256]
+        }
+        if not wrong:
+            return
+        path, sha256 = _first_of(data, wrong)
+        self._refuse(
+            digest,
+            FailedPrecondition(
+                f"dataset {digest} says {path!r} is {sizes[sha256]} bytes, but its content "
+                f"sha256:{sha256.hex()} is stored with "
+                f"{stored['sha256:' + sha256.hex()].info.size} bytes"
+            ),
+        )
 
     def _read_whole(self, digest: str, size: int) -> bytearray:
         """A blob's verified bytes in one buffer, with no second copy on the way."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import binascii
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -39,19 +39,26 @@ FIND_MANY: Final = "SELECT sha256, blake3, size, stored_at FROM blobs WHERE sha2
 # FindMissing: the rows naming a batch of digests by either name (the batch given twice).
 PRESENT: Final = "SELECT sha256, blake3 FROM blobs WHERE sha256 IN ({0}) OR blake3 IN ({0})"
 
-# The places in a batch of the digests that are not catalogued, as one list ("4,17,…")
-# or NULL. The batch is one parameter, so the database, not Python, makes each digest's
-# text and looks it up: SQLite takes it in hex (a blob, which substr slices in place),
-# PostgreSQL raw.
+# The places in a batch of the digests that are not catalogued with the size given beside
+# them, as one list ("4,17,…") or NULL: a digest not stored, or stored with another size. The
+# batch is one parameter and its sizes another (each as _SIZE_DIGITS decimal digits), so the
+# database, not Python, makes each digest's text and looks it up by its key, then compares the
+# size of the one row found: SQLite takes the digests in hex, PostgreSQL raw. Both parameters
+# are bytes, which both engines slice in place (a slice of text is found by walking its
+# characters from the start, which over a batch is quadratic).
+_SIZE_DIGITS: Final = 20
 _LACKING_SQLITE: Final = (
     "WITH RECURSIVE i(n) AS (SELECT 0 UNION ALL SELECT n + 64 FROM i WHERE n + 64 < length(?1))"
     " SELECT group_concat(n / 64) FROM i WHERE NOT EXISTS"
-    " (SELECT 1 FROM blobs WHERE sha256 = 'sha256:' || substr(?1, n + 1, 64))"
+    " (SELECT 1 FROM blobs WHERE sha256 = 'sha256:' || substr(?1, n + 1, 64)"
+    f" AND size = CAST(substr(?2, n / 64 * {_SIZE_DIGITS} + 1, {_SIZE_DIGITS}) AS INTEGER))"
 )
 _LACKING_POSTGRES: Final = (
     "SELECT string_agg((n / 32)::text, ',') FROM generate_series(0, length(?) - 32, 32) AS n"
     " WHERE NOT EXISTS (SELECT 1 FROM blobs"
-    " WHERE sha256 = 'sha256:' || encode(substring(? FROM n + 1 FOR 32), 'hex'))"
+    " WHERE sha256 = 'sha256:' || encode(substring(? FROM n + 1 FOR 32), 'hex')"
+    " AND size = convert_from("
+    f"substring(? FROM n / 32 * {_SIZE_DIGITS} + 1 FOR {_SIZE_DIGITS}), 'UTF8')::bigint)"
 )
 
 
@@ -60,12 +67,16 @@ def batch_query(sql: str, values: Sequence[str], *, times: int = 1) -> tuple[str
     return sql.format(tables.placeholders(len(values))), list(values) * times
 
 
-def lacking_query(sha256s: Sequence[bytes], *, sqlite: bool) -> tuple[str, tuple[bytes, ...]]:
-    """The query of the places in `sha256s` (32 raw bytes each) not catalogued."""
+def lacking_query(
+    sha256s: Sequence[bytes], sizes: Sequence[int], *, sqlite: bool
+) -> tuple[str, tuple[bytes, ...]]:
+    """The query of the places in `sha256s` (32 raw bytes each) not catalogued with the size
+    at the same place in `sizes`."""
     joined = b"".join(sha256s)
+    stated = "".join(f"{size:0{_SIZE_DIGITS}d}" for size in sizes).encode()
     if sqlite:
-        return _LACKING_SQLITE, (binascii.hexlify(joined),)
-    return _LACKING_POSTGRES, (joined, joined)
+        return _LACKING_SQLITE, (binascii.hexlify(joined), stated)
+    return _LACKING_POSTGRES, (joined, joined, stated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +186,13 @@ class Content:
         assert found is not None
         return found, created
 
+    def adopt(self, info: BlobInfo, stored_at: str) -> StoredBlob:
+        """Catalogue a blob the store took in by other means (a verified direct upload)."""
+        self._catalogue.record(info, stored_at)
+        found = self.find(info.sha256)
+        assert found is not None
+        return found
+
     def put_many(
         self, blobs: Iterable[BatchBlob]
     ) -> list[tuple[StoredBlob, bool] | IntegrityError]:
@@ -257,15 +275,18 @@ class Content:
                 present.add(b3)
         return [d for d in wanted if d not in present]
 
-    def lacking(self, sha256s: Sequence[bytes]) -> set[bytes]:
-        """Those of these SHA-256 digests (32 raw bytes each) that are not catalogued. Given in
-        sorted order (or nearly: by their first two bytes), neighbouring look-ups share the
-        index pages they read: a million take about 0.6 s, the GIL released for all but the
-        batching."""
+    def lacking(self, sha256s: Sequence[bytes], sizes: Mapping[bytes, int]) -> set[bytes]:
+        """Those of these SHA-256 digests (32 raw bytes each) that are not catalogued with the
+        size `sizes` gives for each: absent, or stored with another size. Given in sorted order
+        (or nearly: by their first two bytes), neighbouring look-ups share the index pages
+        they read: a million take about 0.6 s, the GIL released for all but the batching."""
         lacking: set[bytes] = set()
         for start in range(0, len(sha256s), _LOOKUP_BATCH):
             part = sha256s[start : start + _LOOKUP_BATCH]
-            ((places,),) = self.db.fetch(*lacking_query(part, sqlite=self.db.is_sqlite))
+            statement = lacking_query(
+                part, [sizes[sha256] for sha256 in part], sqlite=self.db.is_sqlite
+            )
+            ((places,),) = self.db.fetch(*statement)
             if places:
                 lacking.update(map(part.__getitem__, map(int, places.split(","))))
         return lacking

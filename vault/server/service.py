@@ -8,10 +8,10 @@ from typing import Final
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
 from vault.errors import InvalidArgument, Unavailable
 from vault.ledger.log import Ledger
+from vault.server import reflection
 from vault.server.admission import Admitter
 from vault.server.admission_service import AdmissionService
 from vault.server.auth import Gate
@@ -85,14 +85,7 @@ async def build_server(
     names = [pb.DESCRIPTOR.services_by_name[s].full_name for s in services]
     for name in ("", *names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        (
-            *names,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
+    reflection.enable(server, (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
     host, sep, port_text = listen.rpartition(":")
     if not listen.startswith("unix:") and not (
         sep and host and port_text.isdigit() and int(port_text) <= 65535

@@ -100,6 +100,15 @@ def configured_witnesses(config: Config) -> list[Witness]:
     return witnesses
 
 
+class _Overtaken(Exception):
+    """The witness has cosigned a larger checkpoint of this ledger, which another server on the
+    same database signed; this server has caught up with the database to at least its size."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
+
+
 class Refused(VerificationError):
     """A witness would not cosign a checkpoint: it does not extend what the witness saw."""
 
@@ -132,7 +141,9 @@ class Witnessing:
     that does not answer costs the background pass its time-out, and a caller at most one:
     calls skip it until the background pass hears from it again. A witness that refuses a
     checkpoint is not asked about it again; that is logged as an error, since it means this
-    server's ledger does not extend what the witness saw (a rollback or a fork)."""
+    server's ledger does not extend what the witness saw (a rollback or a fork). A witness that
+    has cosigned a larger checkpoint, which another server of the same ledger had it cosign,
+    has the checkpoint of that size (signed here, or taken) submitted instead."""
 
     def __init__(
         self,
@@ -197,7 +208,9 @@ class Witnessing:
                     log.exception("witnessing the checkpoint of size %d failed", latest.size)
             self._closed.wait(interval)
 
-    def _witness(self, signed: SignedCheckpoint, *, background: bool) -> SignedCheckpoint:
+    def _witness(
+        self, signed: SignedCheckpoint, *, background: bool, catch_ups: int = 0
+    ) -> SignedCheckpoint:
         with self._lock:
             current = self._signed
             if current is not None and current.size >= signed.size:
@@ -246,6 +259,18 @@ class Witnessing:
         if changed:
             # A tiles client that requires witnesses reads them in the published checkpoint.
             self.ledger.publish_cosigned(witnessed.note, witnessed.size)
+        ahead = max((self._seen[key].size for key in waiting), default=0)
+        if signed.size < ahead <= self.ledger.size and catch_ups < MAX_CONFLICTS:
+            # A witness cosigned a larger checkpoint another server of this ledger signed, and
+            # this server has caught up with it (`_submit`): that size is the one to serve.
+            try:
+                larger = self.ledger.checkpoint(ahead)
+            except VaultError as exc:
+                log.warning(
+                    "cannot sign the checkpoint of size %d the witnesses saw: %s", ahead, exc
+                )
+                return witnessed
+            return self._witness(larger, background=background, catch_ups=catch_ups + 1)
         return witnessed
 
     def _report(self, signed: SignedCheckpoint) -> None:
@@ -269,6 +294,18 @@ class Witnessing:
         seen = self._seen[witness.key]
         try:
             line = self._submit(witness, signed, seen)
+        except _Overtaken as exc:
+            # Routine where several servers share a ledger: not worth a line each time.
+            log.debug(
+                "witness %s (%s) has cosigned a checkpoint of size %d, newer than this "
+                "server's of size %d: submitting that size",
+                witness.label,
+                witness.url,
+                exc.size,
+                signed.size,
+            )
+            seen.unreachable = False
+            return None
         except Refused as exc:
             seen.refused = signed.size
             # Every checkpoint of a rolled-back or forked server is refused: the first of a kind
@@ -300,10 +337,7 @@ class Witnessing:
             if old > signed.size:
                 if self.ledger.sync() >= old:
                     # Another server on the same database signed further: not a rollback.
-                    raise Unavailable(
-                        f"it has cosigned a checkpoint of size {old}, newer than this "
-                        f"server's latest of size {signed.size}: asked again at the next one"
-                    )
+                    raise _Overtaken(old)
                 raise Refused(
                     f"it has cosigned a checkpoint of size {old} of this ledger, and this "
                     f"server's latest is of size {signed.size}: the ledger was rolled back",
