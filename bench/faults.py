@@ -1,6 +1,6 @@
 """The fault campaign of tests/test_faults.py at a larger size: more blobs and more faults of each
 kind, through a real `vault serve` over hot + warm + three MinIO mirrors; prints each fault, what
-found it, and the counts for the README. Not a timing benchmark: the figure is the counts.
+found it, and the counts for docs/benchmarks.md. Not a timing benchmark: the figure is the counts.
 
     uv run python -m bench.faults [--scale 3] [--per-kind 6] [--seed 20261121] [--json PATH]
 """

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import StartVault
@@ -57,6 +58,14 @@ class Scrape:
         ]
         assert len(found) == 1, f"{name}{labels}: {found}\n{self.text}"
         return found[0]
+
+    def has(self, name: str) -> bool:
+        """Whether the scrape has a sample of the series `name` with no labels."""
+        return any(
+            sample.name == name and not sample.labels
+            for family in self.families
+            for sample in family.samples
+        )
 
     def exported_names(self) -> set[str]:
         """Every series name the server exports, families with no sample yet included."""
@@ -162,6 +171,9 @@ def test_a_damaged_copy_found_by_scrub_is_counted(vault: VaultServer) -> None:
     # The only copy: nothing to repair it from.
     assert scrape.value("pinvault_copies_unrepairable_total") >= 1
     assert scrape.value("pinvault_copies_repaired_total") == 0
+    lines = [line for line in vault.log().splitlines() if f"damaged copy of {digest}" in line]
+    assert len(lines) == 1, vault.log()
+    assert f"damaged copy of {digest} on tier hot, with no good copy anywhere" in lines[0]
 
 
 def test_a_vault_with_one_tier_counts_its_blobs_from_the_catalogue(
@@ -173,8 +185,146 @@ def test_a_vault_with_one_tier_counts_its_blobs_from_the_catalogue(
     scrape = Scrape(metrics_url(server))
     assert scrape.value("pinvault_tier_blobs", tier="hot") == 1
     assert scrape.value("pinvault_tier_bytes", tier="hot") == 1000
-    # No tier manager: scrub and repair series are named, with no samples.
-    assert "pinvault_copies_repaired_total" in scrape.exported_names()
+    # No tier manager: the hot tier's journal counts its damage; no scrub runs in the server.
+    assert scrape.value("pinvault_copies_damaged_total") == 0
+    assert "pinvault_scrub_faults_total" in scrape.exported_names()
+
+
+def flip_a_byte(server: VaultServer, digest: str, at: int = 1000) -> None:
+    """Damage the stored copy of a blob on disk, as bit rot would."""
+    path = server.blob_path(digest)
+    damaged = bytearray(path.read_bytes())
+    damaged[at] ^= 0xFF
+    path.chmod(0o600)
+    path.write_bytes(bytes(damaged))
+
+
+DAMAGE_SERIES = (
+    "pinvault_copies_damaged_total",
+    "pinvault_copies_repaired_total",
+    "pinvault_copies_unrepairable_total",
+    "pinvault_copy_rewrites_failed_total",
+    "pinvault_scrub_faults_total",
+)
+
+
+def scrub_fault_fires(
+    tmp_path: Path, before: Scrape, after: Scrape
+) -> subprocess.CompletedProcess[str]:
+    """`promtool test rules` on the shipped rules, fed every damage series the vault exported
+    with a sample, as two scrapes of it showed them, ten minutes apart: the test expects
+    PinvaultScrubFault to fire five minutes after the second."""
+    rules = yaml.safe_load(RULES.read_text())
+    (alert,) = [
+        r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "PinvaultScrubFault"
+    ]
+    instance = "vault:9100"
+    series = []
+    for name in DAMAGE_SERIES:
+        values = [s.value(name) for s in (before, after) if s.has(name)]
+        if len(values) == 2:
+            first, second = (int(v) for v in values)
+            series.append(
+                {
+                    "series": f'{name}{{instance="{instance}"}}',
+                    "values": " ".join([str(first)] * 10 + [str(second)] * 10),
+                }
+            )
+    annotations = {
+        key: text.replace("{{ $labels.instance }}", instance)
+        for key, text in alert["annotations"].items()
+    }
+    test = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "alert_rule_test": [
+                    {"eval_time": "5m", "alertname": "PinvaultScrubFault", "exp_alerts": []},
+                    {
+                        "eval_time": "15m",
+                        "alertname": "PinvaultScrubFault",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {"severity": "critical", "instance": instance},
+                                "exp_annotations": annotations,
+                            }
+                        ],
+                    },
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "scrub-fault.test.yml"
+    path.write_text(yaml.safe_dump(test))
+    return subprocess.run([promtool(), "test", "rules", str(path)], capture_output=True, text=True)
+
+
+def test_damage_a_read_meets_on_the_default_vault_is_counted_and_logged(
+    start_vault: StartVault, tmp_path: Path
+) -> None:
+    """The default vault keeps one hot tier and no tier manager: a get that meets a damaged
+    copy fails with DATA_LOSS, and the damage is counted in the series the tier manager's
+    repairs use, logged once naming the blob and the tier, and fires PinvaultScrubFault."""
+    server = start_vault(serve_args=("--metrics-port", "0"))
+    url = metrics_url(server)
+    data = os.urandom(300_000)
+    with server.client() as client:
+        digest = str(client.put(data).blob.sha256)
+    before = Scrape(url)
+    assert before.value("pinvault_copies_damaged_total") == 0
+    assert before.value("pinvault_copies_unrepairable_total") == 0
+    flip_a_byte(server, digest)
+
+    for _ in range(2):
+        got = server.run("get", digest, "-o", str(tmp_path / "copy"))
+        assert got.returncode != 0
+        assert got.error_line().startswith(f"vault: DATA_LOSS: stored copy of {digest}"), (
+            got.describe()
+        )
+    assert not (tmp_path / "copy").exists()
+
+    after = Scrape(url)
+    # Found once: the second get met damage already known, which is nothing new.
+    assert after.value("pinvault_copies_damaged_total") == 1
+    assert after.value("pinvault_copies_unrepairable_total") == 1
+    assert after.value("pinvault_copies_repaired_total") == 0
+    lines = [line for line in server.log().splitlines() if f"damaged copy of {digest}" in line]
+    assert len(lines) == 1, server.log()
+    assert f"damaged copy of {digest} on tier hot" in lines[0]
+
+    fired = scrub_fault_fires(tmp_path, before, after)
+    assert fired.returncode == 0, fired.stdout + fired.stderr
+
+
+def test_damage_verify_and_scrub_find_on_the_default_vault_is_counted(
+    start_vault: StartVault,
+) -> None:
+    """`vault verify --blobs` and `vault scrub` (which runs in its own process beside the
+    server on a vault of one tier) journal what they find where the server counts it."""
+    server = start_vault(serve_args=("--metrics-port", "0"))
+    url = metrics_url(server)
+    with server.client() as client:
+        digest = str(client.put(os.urandom(100_000)).blob.sha256)
+        client.pin("config", digest)
+    flip_a_byte(server, digest)
+
+    verified = server.run("verify", "--blobs")
+    assert verified.returncode != 0, verified.describe()
+    assert Scrape(url).value("pinvault_copies_damaged_total") == 1
+    assert f"damaged copy of {digest} on tier hot" in server.log()
+
+    scrubbed = run_vault("scrub", env=server.env())
+    assert "1 faults, 0 repaired, 1 unrepairable" in scrubbed.stdout, scrubbed.describe()
+    assert scrubbed.error_line(alone=False) == (
+        "vault: DATA_LOSS: 1 copies have no good copy anywhere"
+    ), scrubbed.describe()
+    assert f"damaged copy of {digest} on tier hot" in scrubbed.stderr, scrubbed.describe()
+    scrape = Scrape(url)
+    assert scrape.value("pinvault_copies_damaged_total") == 2
+    assert scrape.value("pinvault_copies_unrepairable_total") == 2
 
 
 def test_the_rules_and_the_dashboard_use_only_names_the_server_exports(

@@ -2,7 +2,7 @@
 serve` to 10k and 100k entries on SQLite and on PostgreSQL and reports every figure at each
 size with its ratio to 10k, and draws the curves; `bench.subject_index --to 100k` grows both
 layouts of the subject index. Speeds are not judged here (that is the benchmarks' runs to 10M,
-in the README); what is checked is that every figure is measured."""
+in docs/benchmarks.md); what is checked is that every figure is measured."""
 
 from __future__ import annotations
 

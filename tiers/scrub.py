@@ -222,9 +222,10 @@ class Scrubber:
                 return
             if name not in self.manager.journal.placed(digest):
                 return  # moved away by the migration worker since the batch was read
-            log.warning("scrub: the %s copy of %s is missing", name, digest)
+            # The tier manager's repair below logs the damage it finds, one line a copy.
+            log.debug("scrub: the %s copy of %s is missing", name, digest)
         except IntegrityError as error:
-            log.warning("scrub: %s", error)
+            log.debug("scrub: the %s copy of %s is damaged: %s", name, digest, error)
         except VaultError as error:
             # A mirror that cannot be reached: its copy is not checked this time.
             log.warning("scrub: could not check the %s copy of %s: %s", name, digest, error)

@@ -1,7 +1,8 @@
 """The vault's Prometheus metrics: every call by method and status code and its latency (counted
 at the transport edge), admission verdicts, and, read live at each scrape, the ledger's size and
 checkpoint, the copies and bytes on each tier, the queues of copies still to make, scrubbing and
-repairs; served over HTTP for `vault serve --metrics-port`."""
+the damage found and repaired (counted by the tier manager, or from the journal of a hot tier
+alone); served over HTTP for `vault serve --metrics-port`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from vault.errors import VaultError
 from vault.server.assembly import manager_of
+from vault.server.damage import KnownDamage
 from vault.server.http_endpoint import Endpoint, Limits, Request, Response
 
 if TYPE_CHECKING:
@@ -157,7 +159,11 @@ _SCRUB_COUNTS: Final = (
     ("faults", "pinvault_scrub_faults", "Damaged or missing copies the scrubber has found."),
 )
 _REPAIR_COUNTS: Final = (
-    ("faults", "pinvault_copies_damaged", "Copies found damaged or missing (by reads or scrub)."),
+    (
+        "faults",
+        "pinvault_copies_damaged",
+        "Copies found damaged or missing (reads, audits, scrub).",
+    ),
     (
         "repaired",
         "pinvault_copies_repaired",
@@ -283,6 +289,7 @@ class VaultCollector(Collector):
     def _scrub(self, families: dict[str, Family]) -> None:
         manager = manager_of(self.sources.store)
         if manager is None:
+            self._lone_tier_damage(families)
             return
         watch = self.sources.scrub
         finished = watch.totals()
@@ -295,6 +302,17 @@ class VaultCollector(Collector):
         _add(families["pinvault_scrub_running"], 1 if watch.running else 0)
         _add(families["pinvault_scrub_done_bytes"], watch.done_bytes)
         _add(families["pinvault_scrub_total_bytes"], watch.total_bytes)
+
+    def _lone_tier_damage(self, families: dict[str, Family]) -> None:
+        """A hot tier alone has no tier manager to count its damage: it journals what reads,
+        `vault verify --blobs`, `vault scrub` and puts find (vault/server/damage.py), in any
+        process, and the series count that, under the names the tier manager's counts take."""
+        with KnownDamage(self.sources.store) as damage:
+            counts = damage.counts()
+        if counts is None:
+            return
+        for key, name, _ in _REPAIR_COUNTS:
+            _add(families[name], counts[key])
 
 
 def _add(family: Family, value: float, *labels: str) -> None:
