@@ -1,12 +1,18 @@
-"""The replication queue: which blob still needs a copy on which mirror, in one SQLite file in the
-data folder that survives a restart of the vault. The copies made are not kept here: each is a
-placement on tier `mirror-<name>` in the tier manager's journal, the vault's one placement
-record, which the queue reads and writes through."""
+"""The replication queue: which blob still needs a copy on which mirror, in the database of the
+placement record (the data folder's SQLite file on one host; the shared PostgreSQL when several
+servers run one vault), so that it survives a restart and any server's replicator can take the
+work of one that died. The copies made are not kept here: each is a placement on tier
+`mirror-<name>` in the placement record, which the queue reads and writes through.
+
+Work is claimed with a lease: a claimed copy is left to its claimant until the lease runs out,
+so several replicators share the queue without copying the same blob twice at once, and a
+copy claimed by a server that died is taken up by another once its lease ends."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sqlite3
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -14,32 +20,40 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
 from tiers.placements import JOURNAL_FILE_NAME, MIRROR_TIER_PREFIX, Journal, mirror_tier
 from vault.digest import Digest
 from vault.errors import Unavailable
 
+# Where releases before the shared record kept the queue, in the data folder; its rows are
+# carried into the record and the file removed when the queue is opened.
 FILE_NAME: Final = "mirrors.db"
-# The server and a `vault mirror` command share the file; a writer waits this long for the
-# other's transaction rather than failing.
-_BUSY_TIMEOUT_MS: Final = 30_000
+# How long a claimed copy stays its claimant's: a replicator that died holds its copies no
+# longer. A copy that takes longer may be made twice, which only costs a second check.
+LEASE_SECONDS: Final = 300.0
 _ERROR_LENGTH: Final = 500
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS pending (
+CREATE TABLE IF NOT EXISTS replication_queue (
     digest TEXT NOT NULL,
     mirror TEXT NOT NULL,
-    size INTEGER NOT NULL,
-    queued REAL NOT NULL,
+    size BIGINT NOT NULL,
+    queued DOUBLE PRECISION NOT NULL,
     attempts INTEGER NOT NULL DEFAULT 0,
-    next_try REAL NOT NULL,
+    next_try DOUBLE PRECISION NOT NULL,
     last_error TEXT NOT NULL DEFAULT '',
+    lease_owner TEXT NOT NULL DEFAULT '',
+    lease_until DOUBLE PRECISION NOT NULL DEFAULT 0,
     PRIMARY KEY (digest, mirror)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS pending_due ON pending (mirror, next_try);
-"""
+)"""
+_INDEX = "CREATE INDEX IF NOT EXISTS replication_queue_due ON replication_queue (mirror, next_try)"
 # Where releases before the one placement record kept the verified mirror copies (digest,
-# mirror, size, verified); carried into the placement record and dropped at open.
+# mirror, size, verified), in the queue's own file.
 _OLD_COPIES_TABLE: Final = "copies"
+_OLD_QUEUE_TABLE: Final = "pending"
+_PENDING_COLUMNS: Final = "digest, mirror, size, queued, attempts, next_try, last_error"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,101 +83,90 @@ class MirrorCounts:
 
 
 class ReplicationQueue:
-    """The copies still to make, over `placements`, the placement record that holds the copies
-    made (default: the journal beside the queue's file, where the vault keeps it in its data
-    folder). Every change is one transaction, durable (synchronous=FULL) before the call
+    """The copies still to make, in the database of `placements`, the placement record that
+    holds the copies made (default: the record file beside `path`, where a vault on one host
+    keeps it in its data folder). Every change is one transaction, durable before the call
     returns, so a put acknowledged after `enqueue` cannot lose its replication to a crash.
 
-    A queue file of an earlier release, which kept its own table of verified copies, has them
-    carried into the placement record when it is opened."""
+    `path` is where earlier releases kept the queue in a file of its own: its queued copies,
+    and the verified copies the release before kept there, are carried into the record when
+    the queue is opened, and the file is removed."""
 
-    def __init__(self, path: Path, *, placements: Journal | None = None) -> None:
-        self.path = Path(path)
-        self._lock = threading.Lock()
-        try:
-            self._db = sqlite3.connect(
-                self.path, check_same_thread=False, isolation_level=None, timeout=30
-            )
-            self._db.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
-            self._db.execute("PRAGMA journal_mode = WAL")
-            self._db.execute("PRAGMA synchronous = FULL")
-            self._db.executescript(_SCHEMA)
-        except sqlite3.Error as error:
-            raise Unavailable(f"cannot open the replication queue {self.path}: {error}") from None
-        self._owns_placements = placements is None
+    def __init__(
+        self, path: Path | None = None, *, placements: Journal | None = None, owned: bool = False
+    ) -> None:
+        # The record is closed with the queue if the queue opened it, or was given it `owned`.
+        self._owns_placements = placements is None or owned
         if placements is None:
-            journal = self.path.with_name(JOURNAL_FILE_NAME)
-            try:
-                placements = Journal(journal)
-            except sqlite3.Error as error:
-                self._db.close()
-                raise Unavailable(f"cannot open the placement record {journal}: {error}") from None
+            if path is None:
+                raise ValueError("a replication queue needs a placement record or a folder")
+            placements = Journal(path.with_name(JOURNAL_FILE_NAME))
         self.placements = placements
+        self._greatest = "max" if placements.sqlite else "greatest"
         try:
-            self._carry_over_copies()
+            with self._transaction() as db:
+                db.execute(text(_SCHEMA + (" WITHOUT ROWID" if placements.sqlite else "")))
+                db.execute(text(_INDEX))
+            if path is not None and path.exists():
+                self._carry_over(path)
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
         if self._owns_placements:
             self.placements.close()
 
-    def _carry_over_copies(self) -> None:
-        """Record the verified copies an earlier release kept in the queue's file as
-        placements, then drop their table: a second record left behind would go stale as
-        scrub and repair change the placements, and would bring back, at the next open, copies
-        since forgotten. Placements first: a crash before the drop commits only carries the
-        same copies over again, and an older verification time never replaces a newer one."""
-        with self._transaction() as db:
-            found = db.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
-                (_OLD_COPIES_TABLE,),
-            ).fetchone()
-            if found is None:
-                return
-            rows = db.execute(
-                f"SELECT digest, mirror, size, verified FROM {_OLD_COPIES_TABLE}"
-            ).fetchall()
-            with self._placing():
-                self.placements.place_verified(
-                    [
-                        (Digest.parse(digest), mirror_tier(mirror), int(size), float(verified))
-                        for digest, mirror, size, verified in rows
-                    ]
-                )
-            db.execute(f"DROP TABLE {_OLD_COPIES_TABLE}")
-
-    @contextmanager
-    def _placing(self) -> Iterator[Journal]:
-        """The placement record, its errors made the queue's own (Unavailable)."""
+    def _carry_over(self, path: Path) -> None:
+        """Move what a queue file of an earlier release holds into the record, then remove
+        the file: a second record left behind would go stale, and would bring back, at the next
+        open, copies since made or forgotten. The record first: a crash before the file is gone
+        only carries the same rows over again (a copy queued twice is checked, not copied, and
+        an older verification time never replaces a newer one)."""
         try:
-            yield self.placements
+            with contextlib.closing(sqlite3.connect(path, timeout=30)) as old:
+                names = {row[0] for row in old.execute("SELECT name FROM sqlite_master")}
+                copies = (
+                    old.execute(
+                        f"SELECT digest, mirror, size, verified FROM {_OLD_COPIES_TABLE}"
+                    ).fetchall()
+                    if _OLD_COPIES_TABLE in names
+                    else []
+                )
+                pending = (
+                    old.execute(f"SELECT {_PENDING_COLUMNS} FROM {_OLD_QUEUE_TABLE}").fetchall()
+                    if _OLD_QUEUE_TABLE in names
+                    else []
+                )
         except sqlite3.Error as error:
-            raise Unavailable(f"placement record {self.placements.path}: {error}") from None
+            raise Unavailable(f"cannot read the replication queue {path}: {error}") from None
+        self.placements.place_verified(
+            [
+                (Digest.parse(digest), mirror_tier(mirror), int(size), float(verified))
+                for digest, mirror, size, verified in copies
+            ]
+        )
+        if pending:
+            with self._transaction() as db:
+                db.execute(
+                    text(
+                        f"INSERT INTO replication_queue ({_PENDING_COLUMNS}) VALUES (:digest, "
+                        ":mirror, :size, :queued, :attempts, :next_try, :last_error) "
+                        "ON CONFLICT DO NOTHING"
+                    ),
+                    [dict(zip(_PENDING_COLUMNS.split(", "), row, strict=True)) for row in pending],
+                )
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{path}{suffix}")
 
     @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-                try:
-                    yield self._db
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-                self._db.execute("COMMIT")
-            except sqlite3.Error as error:
-                raise Unavailable(f"replication queue {self.path}: {error}") from None
+    def _transaction(self) -> Iterator[Connection]:
+        with self.placements.writing() as db:
+            yield db
 
-    def _query(self, sql: str, arguments: Sequence[object] = ()) -> list[tuple[Any, ...]]:
-        with self._lock:
-            try:
-                return self._db.execute(sql, arguments).fetchall()
-            except sqlite3.Error as error:
-                raise Unavailable(f"replication queue {self.path}: {error}") from None
+    def _query(self, sql: str, arguments: dict[str, Any] | None = None) -> list[Any]:
+        return self.placements.query(sql, arguments)
 
     # -- changes -----------------------------------------------------------------------------
 
@@ -171,25 +174,82 @@ class ReplicationQueue:
         """Queue each blob (digest, size, mirrors) for every mirror given on which the
         placement record has no copy and none is queued; returns how many were queued."""
         wanted: list[tuple[Digest, str, int]] = []
-        with self._placing() as placements:
-            for digest, size, mirrors in blobs:
-                placed = placements.placed(digest)
-                wanted += [(digest, m, size) for m in mirrors if mirror_tier(m) not in placed]
+        for digest, size, mirrors in blobs:
+            placed = self.placements.placed(digest)
+            wanted += [(digest, m, size) for m in mirrors if mirror_tier(m) not in placed]
         if not wanted:
             return 0
         # A copy recorded between the look-up and this commit is queued once more: its next
         # pass finds it there and only checks it.
         now = time.time()
         added = 0
+        insert = text(
+            "INSERT INTO replication_queue (digest, mirror, size, queued, next_try) "
+            "VALUES (:digest, :mirror, :size, :now, :now) ON CONFLICT DO NOTHING"
+        )
         with self._transaction() as db:
             for digest, mirror, size in wanted:
-                cursor = db.execute(
-                    "INSERT INTO pending (digest, mirror, size, queued, next_try) "
-                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                    (str(digest), mirror, size, now, now),
+                result = db.execute(
+                    insert, {"digest": str(digest), "mirror": mirror, "size": size, "now": now}
                 )
-                added += cursor.rowcount
+                added += max(0, result.rowcount)
         return added
+
+    def claim(
+        self, mirror: str, owner: str, *, limit: int = 64, lease: float = LEASE_SECONDS
+    ) -> list[Pending]:
+        """Take up to `limit` queued copies for `mirror` that are due and not leased to
+        another, oldest first, leased to `owner` for `lease` seconds. On PostgreSQL rows
+        another server is claiming at the same moment are skipped, not waited for."""
+        now = time.time()
+        skip = "" if self.placements.sqlite else " FOR UPDATE SKIP LOCKED"
+        with self._transaction() as db:
+            rows = list(
+                db.execute(
+                    text(
+                        "UPDATE replication_queue SET lease_owner = :owner, lease_until = :until "
+                        "WHERE (digest, mirror) IN (SELECT digest, mirror FROM replication_queue "
+                        "WHERE mirror = :mirror AND next_try <= :now AND lease_until <= :now "
+                        f"ORDER BY next_try, queued LIMIT :limit{skip}) "
+                        "RETURNING digest, mirror, size, queued, attempts, last_error"
+                    ),
+                    {
+                        "owner": owner,
+                        "until": now + lease,
+                        "mirror": mirror,
+                        "now": now,
+                        "limit": limit,
+                    },
+                )
+            )
+        found = [Pending(Digest.parse(d), m, int(s), q, a, e) for d, m, s, q, a, e in rows]
+        return sorted(found, key=lambda item: (item.queued, str(item.digest)))
+
+    def release(self, owner: str) -> None:
+        """Give back every copy leased to `owner` (a replicator starting again under the same
+        name: what it held before it stopped is due now, not when the lease runs out)."""
+        with self._transaction() as db:
+            db.execute(
+                text(
+                    "UPDATE replication_queue SET lease_owner = '', lease_until = 0 "
+                    "WHERE lease_owner = :owner"
+                ),
+                {"owner": owner},
+            )
+
+    def unclaim(self, owner: str, items: Sequence[Pending]) -> None:
+        """Give back claimed copies not worked on (the mirror turned out unreachable, or the
+        replicator is stopping): due again at their retry time, for anyone."""
+        if not items:
+            return
+        with self._transaction() as db:
+            db.execute(
+                text(
+                    "UPDATE replication_queue SET lease_owner = '', lease_until = 0 "
+                    "WHERE digest = :digest AND mirror = :mirror AND lease_owner = :owner"
+                ),
+                [{"digest": str(i.digest), "mirror": i.mirror, "owner": owner} for i in items],
+            )
 
     def done(self, digest: Digest, mirror: str, size: int) -> None:
         """Record a verified copy in the placement record and drop it from the queue."""
@@ -202,73 +262,85 @@ class ReplicationQueue:
         if not copies:
             return
         now = time.time()
-        with self._placing() as placements:
-            placements.place_verified(
-                [(digest, mirror_tier(mirror), size, now) for digest, mirror, size in copies]
-            )
+        self.placements.place_verified(
+            [(digest, mirror_tier(mirror), size, now) for digest, mirror, size in copies]
+        )
         with self._transaction() as db:
-            db.executemany(
-                "DELETE FROM pending WHERE digest = ? AND mirror = ?",
-                [(str(digest), mirror) for digest, mirror, _ in copies],
+            db.execute(
+                text("DELETE FROM replication_queue WHERE digest = :digest AND mirror = :mirror"),
+                [{"digest": str(digest), "mirror": mirror} for digest, mirror, _ in copies],
             )
 
     def failed(self, digest: Digest, mirror: str, error: str, retry_at: float) -> None:
         with self._transaction() as db:
             db.execute(
-                "UPDATE pending SET attempts = attempts + 1, next_try = ?, last_error = ? "
-                "WHERE digest = ? AND mirror = ?",
-                (retry_at, error[:_ERROR_LENGTH], str(digest), mirror),
+                text(
+                    "UPDATE replication_queue SET attempts = attempts + 1, next_try = :retry, "
+                    "last_error = :error, lease_owner = '', lease_until = 0 "
+                    "WHERE digest = :digest AND mirror = :mirror"
+                ),
+                {
+                    "retry": retry_at,
+                    "error": error[:_ERROR_LENGTH],
+                    "digest": str(digest),
+                    "mirror": mirror,
+                },
             )
 
     def drop(self, digest: Digest, mirror: str) -> None:
         """Forget a queued copy whose blob no longer exists here."""
         with self._transaction() as db:
-            db.execute("DELETE FROM pending WHERE digest = ? AND mirror = ?", (str(digest), mirror))
+            db.execute(
+                text("DELETE FROM replication_queue WHERE digest = :digest AND mirror = :mirror"),
+                {"digest": str(digest), "mirror": mirror},
+            )
 
     def forget_copy(self, digest: Digest, mirror: str) -> None:
         """A recorded copy turned out damaged or missing: it no longer counts."""
-        with self._placing() as placements:
-            placements.unplace(digest, mirror_tier(mirror))
+        self.placements.unplace(digest, mirror_tier(mirror))
 
     def retry_now(self) -> None:
         """Make every queued copy due at once (after an operator fixed a mirror)."""
         with self._transaction() as db:
-            db.execute("UPDATE pending SET next_try = 0")
+            db.execute(text("UPDATE replication_queue SET next_try = 0"))
 
     # -- reads -------------------------------------------------------------------------------
 
     def due(self, mirror: str, *, now: float | None = None, limit: int = 64) -> list[Pending]:
-        """Queued copies for `mirror` whose retry time has come, oldest first."""
+        """Queued copies for `mirror` whose retry time has come, oldest first, leased or not."""
         rows = self._query(
-            "SELECT digest, mirror, size, queued, attempts, last_error FROM pending "
-            "WHERE mirror = ? AND next_try <= ? ORDER BY next_try, queued LIMIT ?",
-            (mirror, time.time() if now is None else now, limit),
+            "SELECT digest, mirror, size, queued, attempts, last_error FROM replication_queue "
+            "WHERE mirror = :mirror AND next_try <= :now ORDER BY next_try, queued LIMIT :limit",
+            {"mirror": mirror, "now": time.time() if now is None else now, "limit": limit},
         )
-        return [Pending(Digest.parse(d), m, s, q, a, e) for d, m, s, q, a, e in rows]
+        return [Pending(Digest.parse(d), m, int(s), q, a, e) for d, m, s, q, a, e in rows]
 
     def next_try(self, mirror: str) -> float | None:
-        (row,) = self._query("SELECT MIN(next_try) FROM pending WHERE mirror = ?", (mirror,))
+        """When a copy queued for `mirror` is next due for a claim: its retry time, or the end
+        of its lease if later."""
+        (row,) = self._query(
+            f"SELECT MIN({self._greatest}(next_try, lease_until)) FROM replication_queue "
+            "WHERE mirror = :mirror",
+            {"mirror": mirror},
+        )
         return None if row[0] is None else float(row[0])
 
     def copies(self, digest: Digest) -> set[str]:
         """The mirrors the placement record has a copy of `digest` on."""
-        with self._placing() as placements:
-            placed = placements.placed(digest)
         return {
             tier.removeprefix(MIRROR_TIER_PREFIX)
-            for tier in placed
+            for tier in self.placements.placed(digest)
             if tier.startswith(MIRROR_TIER_PREFIX)
         }
 
     def known_digests(self) -> list[Digest]:
         """Every blob with a mirror copy recorded or queued anywhere."""
-        rows = self._query("SELECT DISTINCT digest FROM pending")
-        with self._placing() as placements:
-            placed = list(placements.placed_digests(MIRROR_TIER_PREFIX))
+        rows = self._query("SELECT DISTINCT digest FROM replication_queue")
+        placed = list(self.placements.placed_digests(MIRROR_TIER_PREFIX))
         return list(dict.fromkeys([*placed, *(Digest.parse(str(row[0])) for row in rows)]))
 
     def pending_count(self) -> int:
-        (row,) = self._query("SELECT COUNT(*) FROM pending")
+        (row,) = self._query("SELECT COUNT(*) FROM replication_queue")
         return int(row[0])
 
     def counts(self) -> dict[str, MirrorCounts]:
@@ -276,22 +348,21 @@ class ReplicationQueue:
         verified; queued copies, their bytes, the time the oldest was queued and the last error
         met."""
         found: dict[str, MirrorCounts] = {}
-        with self._placing() as placements:
-            totals = placements.totals()
-            verified = placements.last_verified()
+        totals = self.placements.totals()
+        verified = self.placements.last_verified()
         for tier, (objects, size) in totals.items():
             if tier.startswith(MIRROR_TIER_PREFIX):
                 found[tier.removeprefix(MIRROR_TIER_PREFIX)] = MirrorCounts(
                     objects, size, last_verified=verified.get(tier)
                 )
         for mirror, queued, size, oldest in self._query(
-            "SELECT mirror, COUNT(*), SUM(size), MIN(queued) FROM pending GROUP BY mirror"
+            "SELECT mirror, COUNT(*), SUM(size), MIN(queued) FROM replication_queue GROUP BY mirror"
         ):
-            (error,) = self._query(
-                "SELECT last_error FROM pending WHERE mirror = ? AND last_error != '' "
-                "ORDER BY next_try DESC LIMIT 1",
-                (mirror,),
-            ) or [("",)]
+            errors = self._query(
+                "SELECT last_error FROM replication_queue WHERE mirror = :mirror "
+                "AND last_error != '' ORDER BY next_try DESC LIMIT 1",
+                {"mirror": mirror},
+            )
             base = found.get(str(mirror), MirrorCounts())
             found[str(mirror)] = MirrorCounts(
                 objects=base.objects,
@@ -300,6 +371,6 @@ class ReplicationQueue:
                 queued=int(queued),
                 queued_bytes=int(size or 0),
                 oldest_queued=float(oldest),
-                last_error=str(error),
+                last_error=str(errors[0][0]) if errors else "",
             )
         return found

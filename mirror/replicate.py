@@ -5,7 +5,9 @@ placement (tier `mirror-<name>`) in the placement record, where scrub and repair
 from __future__ import annotations
 
 import logging
+import os
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from mirror.mirrors import Mirror, MirrorSet
-from mirror.queue import Pending, ReplicationQueue
+from mirror.queue import LEASE_SECONDS, Pending, ReplicationQueue
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound, Unavailable, VaultError
 from vault.store.protocol import BlobStore, copy_blob
@@ -71,6 +73,10 @@ class Replicator:
     and record each verified copy as a placement, through the queue, in the placement record
     it shares with `source` (the tier manager) when the vault runs.
 
+    Several replicators (one a server of the same vault) share one queue: each claims its
+    copies with a lease in its `owner`'s name, and a copy whose claimant died is claimed again
+    once the lease runs out.
+
     A copy that fails is retried with exponential backoff (retry_min doubling to retry_max,
     with jitter so that mirrors coming back are not hit all at once). A mirror that cannot be
     reached pauses its own worker until the next retry time; the queue keeps the copies, so
@@ -86,8 +92,13 @@ class Replicator:
         retry_min: float = 1.0,
         retry_max: float = 60.0,
         idle_poll: float = IDLE_POLL,
+        owner: str = "",
+        lease: float = LEASE_SECONDS,
     ) -> None:
         self.source = source
+        # The name its claims on the queue are leased under.
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
+        self.lease = lease
         self.mirrors = mirrors
         self.queue = queue
         self.retry_min = retry_min
@@ -133,18 +144,23 @@ class Replicator:
         mirror is unreachable (the rest stay queued)."""
         report = DrainReport()
         while not stop():
-            batch = self.queue.due(mirror.name, limit=_BATCH)
+            batch = self.queue.claim(mirror.name, self.owner, limit=_BATCH, lease=self.lease)
             if not batch:
                 break
             # The copies made are recorded once a batch, in one commit.
             made: list[tuple[Digest, str, int]] = []
+            worked = 0
             try:
                 for item in batch:
-                    if stop() or not self._replicate(mirror, item, report, made):
+                    if stop():
+                        return report
+                    worked += 1
+                    if not self._replicate(mirror, item, report, made):
                         return report
             finally:
                 if made:
                     self.queue.done_many(made)
+                self.queue.unclaim(self.owner, batch[worked:])
         return report
 
     def _run(self, mirror: Mirror) -> None:
@@ -174,8 +190,11 @@ class Replicator:
         try:
             size = copy_to_mirror(self.source, mirror, item.digest, item.size)
         except NotFound as error:
-            if self.source.info(item.digest) is None:
-                # The blob was deleted here: there is nothing left to copy.
+            if self.source.info(item.digest) is None and not self.queue.placements.placed(
+                item.digest
+            ):
+                # The blob was deleted: no copy of it is left anywhere to copy from. (One
+                # another server holds on its own disk waits for that server.)
                 self.queue.drop(item.digest, mirror.name)
                 return True
             self._failed(mirror, item, report, str(error))

@@ -23,6 +23,7 @@ FOUNDATION = (
     "vault.config",
     # The bounded HTTP server under the vault's HTTP endpoints and the Kubernetes webhook.
     "vault.http_edge",
+    "vault.sql",
 )
 # The ledger's storage; the rest of vault.ledger is pure verification on bytes.
 LEDGER_STORAGE = ("vault.ledger.db", "vault.ledger.log", "vault.ledger.tiles")

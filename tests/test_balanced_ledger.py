@@ -1,11 +1,12 @@
-"""Three `vault serve` on one PostgreSQL with a synchronous standby, behind HAProxy, as a lab runs
-them: clients pin and look up through the balancer while a vault server is killed outright and
-then the database primary crashes and its standby is promoted. Nothing acknowledged is lost,
-clients carry on through the balancer, and the ledger verifies."""
+"""Three `vault serve` on one PostgreSQL with a synchronous standby and three MinIO mirrors, behind
+HAProxy, as a lab runs them: clients put blobs, pin them and look them up through the balancer
+while a vault server is killed outright and then the database primary crashes and its standby
+is promoted. Nothing acknowledged is lost (no entry, no blob), clients carry on through the
+balancer, and the ledger and its blobs verify."""
 
 from __future__ import annotations
 
-import hashlib
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -17,14 +18,17 @@ import pytest
 
 from tests.services.haproxy import HAProxy
 from tests.services.postgres import PostgresServer, PostgresStandby, crash, failover_url
+from tests.services.s3 import MinioServer
 from tests.services.vault_server import VaultServer
+from tests.test_mirror import mirror_env
 from vault.client import VaultClient
 from vault.errors import VaultError
 
-pytestmark = pytest.mark.postgres
+pytestmark = [pytest.mark.postgres, pytest.mark.s3]
 
 ORIGIN = "balanced.test/ledger"
 WRITERS = 4
+BLOB_SIZE = 48 * 1024
 # How long appends may take to resume after the primary crashed, as a lab is promised.
 FAILOVER_SECONDS = 30.0
 
@@ -38,15 +42,16 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+def cluster(tmp_path: Path, minio_server: MinioServer) -> Iterator[Cluster]:
     primary = PostgresServer(fsync=False, standby_name="standby1").start()
     standby: PostgresStandby | None = None
     vaults: list[VaultServer] = []
     proxy: HAProxy | None = None
+    buckets = [minio_server.create_bucket() for _ in range(3)]
     try:
         standby = PostgresStandby(primary).start()
         url = failover_url("pinvault", primary, standby)
-        env = {"PINVAULT_LEDGER_ORIGIN": ORIGIN}
+        env = {"PINVAULT_LEDGER_ORIGIN": ORIGIN, **mirror_env(buckets)}
         tiles = ("--tiles-http", "0")
         first = VaultServer(tmp_path / "a", database=url, env=env, serve_args=tiles).start()
         vaults.append(first)
@@ -55,7 +60,11 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         for name in ("b", "c"):
             vaults.append(
                 VaultServer(
-                    tmp_path / name, database=url, args=["--config", str(config)], serve_args=tiles
+                    tmp_path / name,
+                    database=url,
+                    env=env,
+                    args=["--config", str(config)],
+                    serve_args=tiles,
                 ).start()
             )
         proxy = HAProxy([v.address for v in vaults], [tiles_address(v) for v in vaults]).start()
@@ -69,6 +78,8 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         if standby is not None:
             standby.stop()
         primary.stop()
+        for bucket in buckets:
+            minio_server.delete_bucket(bucket.bucket)
 
 
 def tiles_address(vault: VaultServer) -> str:
@@ -81,12 +92,14 @@ def tiles_address(vault: VaultServer) -> str:
 
 @dataclass
 class Writer:
-    """One client pinning through the balancer until told to stop, reading each pin back at
-    once: what it was told was appended, and when each call failed."""
+    """One client putting a blob and pinning it through the balancer until told to stop,
+    reading each pin back at once: what it was told was stored and appended, and when each
+    call failed."""
 
     number: int
     address: str
     acknowledged: dict[str, int] = field(default_factory=dict)
+    blobs: dict[str, bytes] = field(default_factory=dict)
     failures: list[tuple[float, str]] = field(default_factory=list)
     successes: list[float] = field(default_factory=list)
 
@@ -94,10 +107,14 @@ class Writer:
         n = 0
         with VaultClient(self.address, author=f"writer-{self.number}@lab", timeout=20) as client:
             while not stop.is_set():
-                digest = "sha256:" + hashlib.sha256(f"{self.number}/{n}".encode()).hexdigest()
+                data = f"writer {self.number} blob {n}".encode() + os.urandom(BLOB_SIZE)
                 n += 1
                 try:
-                    proven = client.pin("config", digest, external=True)
+                    # Stored through one server, pinned (which needs it stored) through
+                    # another, most likely.
+                    digest = str(client.put(data, handoff=False).blob.sha256)
+                    self.blobs[digest] = data
+                    proven = client.pin("artefact", digest)
                     # Read back at once, through the balancer: most likely from another server.
                     found = [p.entry.index for p in client.lookup(digest)]
                     assert found == [proven.entry.index], (digest, found, proven.entry.index)
@@ -168,7 +185,15 @@ def test_a_killed_server_and_a_failed_over_database_lose_nothing_acknowledged(
         assert {d: [p.entry.index for p in found[d]] for d in acknowledged} == {
             d: [i] for d, i in acknowledged.items()
         }
-    run = survivors[0].run("verify")
+    # Every blob acknowledged, by whichever server, is served by every survivor.
+    blobs = {d: data for w in writers for d, data in w.blobs.items()}
+    assert set(acknowledged) <= set(blobs)
+    for vault in survivors:
+        with vault.client() as client:
+            for digest, data in blobs.items():
+                with client.open(digest) as reader:
+                    assert reader.read() == data, digest
+    run = survivors[0].run("verify", "--blobs")
     assert run.returncode == 0 and "ledger OK" in run.stdout, run.describe()
 
 

@@ -1,7 +1,8 @@
 """The replication queue over the one placement record: the copies replication makes are
 placements on `mirror-<name>` in the tier manager's journal, the queue keeps only the copies
-still to make, and a queue file of the previous release, which kept its own table of verified
-copies, has them carried into the placement record when it is opened."""
+still to make, in the record's own database, and a queue file of an earlier release (its
+queued copies, and the verified copies the release before kept there) is carried into the
+record and removed when the queue is opened."""
 
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ def test_a_queue_of_the_previous_release_has_its_copies_carried_into_the_placeme
         # A copy carried over is not queued again; the one it lacked still is.
         assert queue.enqueue([(ONE, 3, ["a", "b", "c"])]) == 0
 
-    assert "copies" not in tables(tmp_path / "mirrors.db")
+    assert not (tmp_path / "mirrors.db").exists()
+    assert {"placements", "damage_journal", "replication_queue"} <= tables(tmp_path / "tiers.db")
     assert placed(tmp_path) == {
         (ONE, "hot"): (3, stored, verified),
         # Each mirror copy keeps its size and the time it was verified; its blob's age is the
@@ -147,7 +149,7 @@ def test_a_queue_of_the_previous_release_has_its_copies_carried_into_the_placeme
     with closing(ReplicationQueue(tmp_path / "mirrors.db")) as queue:
         assert queue.copies(ONE) == {"a", "b"}
     assert len(placed(tmp_path)) == 3
-    assert "copies" not in tables(tmp_path / "mirrors.db")
+    assert not (tmp_path / "mirrors.db").exists()
 
 
 def test_copies_carried_over_again_after_a_crash_keep_their_newer_verification(
@@ -194,7 +196,8 @@ def test_the_queue_keeps_only_what_is_still_to_do_and_records_copies_as_placemen
             queue.forget_copy(ONE, "a")
             assert journal.placed(ONE) == set()
             assert queue.enqueue([(ONE, 3, ["a"])]) == 1
-        assert tables(tmp_path / "mirrors.db") == {"pending"}
+        assert not (tmp_path / "mirrors.db").exists()
+        assert "replication_queue" in tables(tmp_path / "tiers.db")
         # The record the queue was given stays open for its owner.
         assert journal.placed(TWO) == {"mirror-a"}
     finally:

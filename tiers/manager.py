@@ -81,7 +81,7 @@ class TierManager(Closing):
         self,
         tiers: Sequence[tuple[str, BlobStore]],
         *,
-        journal: Path,
+        journal: Path | Journal,
         promote: bool = False,
         owned: Sequence[Closing] = (),
     ) -> None:
@@ -92,7 +92,8 @@ class TierManager(Closing):
             raise InvalidArgument(f"tier names must differ, found {names}")
         self.names = names
         self.tiers = [tier for _, tier in tiers]
-        self.journal = Journal(journal)
+        # The placement record, given open or as its SQLite file; closed with the manager.
+        self.journal = journal if isinstance(journal, Journal) else Journal(journal)
         for name, tier in tiers:
             if isinstance(tier, HotTier):
                 tier.rebuilt = functools.partial(self._chunk_list_rebuilt, name)
@@ -457,6 +458,13 @@ class TierManager(Closing):
         repaired = 0
         for fault in faults:
             target, name = self.tiers[fault.tier], self.names[fault.tier]
+            log.warning(
+                "damaged copy of %s on tier %s, rewritten from %s: %s",
+                sha256,
+                name,
+                self.names[source],
+                fault.found,
+            )
             # Recorded before the damaged copy is deleted, so that a crash in between leaves
             # a trace of the deletion.
             self.journal.record(
@@ -496,6 +504,12 @@ class TierManager(Closing):
 
     def _record_loss(self, sha256: Digest, faults: list[_Fault]) -> None:
         for fault in faults:
+            log.warning(
+                "damaged copy of %s on tier %s, with no good copy anywhere: %s",
+                sha256,
+                self.names[fault.tier],
+                fault.found,
+            )
             self.journal.record(
                 sha256,
                 self.names[fault.tier],

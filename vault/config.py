@@ -199,6 +199,14 @@ class MirrorsConfig:
     endpoints: str = ""
     # Copies of each blob, on that many different mirrors (at most the number of mirrors).
     replicas: int = 3
+    # Mirror copies a put makes and verifies before it is acknowledged, so that every server
+    # of the vault can serve it and no host's crash loses it. -1: one when the ledger is on a
+    # database server (several vault servers may share it), none on one host, whose durable
+    # local copy is acknowledged and copied to the mirrors from the queue.
+    acknowledged_copies: int = -1
+    # Seconds a server's claim on a queued copy lasts: the longest a copy queued by a server
+    # that died waits before another server's replicator makes it.
+    claim_lease: float = 300.0
     region: str = "us-east-1"
     # Each mirror's keys come from <credentials_prefix><NAME>_ACCESS_KEY_ID and
     # ..._SECRET_ACCESS_KEY, so that no secret sits in the config file.
@@ -286,6 +294,12 @@ class Config:
         return self.ledger.database or f"sqlite:///{self.data_path / 'vault.db'}"
 
     @property
+    def shared(self) -> bool:
+        """Whether the ledger is on a database server, which several vault servers may share:
+        then the placement record is there too, and a put waits for a mirror copy."""
+        return not self.database_url.startswith("sqlite")
+
+    @property
     def origin(self) -> str:
         return self.ledger.origin or f"pinvault/{socket.gethostname()}"
 
@@ -342,6 +356,8 @@ _RANGES: Final[Mapping[str, tuple[float, float]]] = {
     "client.min_witnesses": (0, 64),
     "client.max_witness_age": (0.001, _YEAR),
     "mirrors.replicas": (1, 64),
+    "mirrors.acknowledged_copies": (-1, 64),
+    "mirrors.claim_lease": (0.1, 86_400.0),
     "mirrors.connect_timeout": (0.1, 3600.0),
     "mirrors.read_timeout": (0.1, 3600.0),
     "mirrors.attempts": (1, 100),

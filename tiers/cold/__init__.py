@@ -16,7 +16,14 @@ from tiers.cold._layout import (
     encode_index,
     index_length,
 )
-from tiers.cold._tier import COMPRESSION_LEVEL, LOOKUP_THREADS, ColdTier
+from tiers.cold._tier import (
+    COMPRESSION_LEVEL,
+    DIRECT_PUT_MAX,
+    LOOKUP_THREADS,
+    ColdTier,
+    DirectRead,
+    DirectUpload,
+)
 from tiers.cold._upload import (
     MAX_PART_SIZE,
     MAX_PARTS,
@@ -31,6 +38,7 @@ from tiers.cold._upload import (
 __all__ = [
     "COMPRESSION_LEVEL",
     "DATA_FORMAT",
+    "DIRECT_PUT_MAX",
     "FORMAT",
     "INDEX_PROBE",
     "LOOKUP_THREADS",
@@ -45,6 +53,8 @@ __all__ = [
     "ColdLayout",
     "ColdTier",
     "ColdWriter",
+    "DirectRead",
+    "DirectUpload",
     "Extent",
     "decode_index",
     "encode_index",

@@ -7,8 +7,9 @@ import contextlib
 import hashlib
 import re
 import secrets
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Final
 
 import zstandard
@@ -29,6 +30,7 @@ from tiers.cold._layout import (
 from tiers.cold._s3 import MISSING, Refused, S3Bucket, Unreadable, b64, object_size
 from tiers.cold._upload import (
     MAX_PART_SIZE,
+    MAX_PARTS,
     MIN_PART_SIZE,
     PART_MAX_DOUBLINGS,
     PART_SIZE,
@@ -38,7 +40,13 @@ from tiers.cold._upload import (
 )
 from tiers.copies import rehash
 from vault.digest import Digest
-from vault.errors import IntegrityError, InvalidArgument, NotFound, Unavailable
+from vault.errors import (
+    FailedPrecondition,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from vault.store.chunks import CHUNK_SIZE, BlobInfo, Chunk, ChunkList
 from vault.store.protocol import BlobStore, Closing, require_sha256
 
@@ -47,6 +55,33 @@ LOOKUP_THREADS: Final = 8
 COMPRESSION_LEVEL: Final = 3
 
 _HEX = re.compile(r"[0-9a-f]{64}")
+_UPLOAD_KEY = re.compile(r"data/[0-9a-f]{32}")
+# S3's largest object in one PUT: a direct upload is one PUT, whose checksum header binds it to
+# the blob's SHA-256 (a multipart upload's checksum is not the object's).
+DIRECT_PUT_MAX: Final = 5 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class DirectUpload:
+    """A presigned PUT of one blob's bytes to a fresh data object, which the endpoint takes
+    only with the blob's SHA-256 in `headers` and only if the bytes have it; or, for an upload
+    in parts (`upload_id`), a presigned PUT of each part, bound to that part's SHA-256, and the
+    numbers of the parts already uploaded."""
+
+    key: str
+    url: str
+    headers: dict[str, str]
+    upload_id: str = ""
+    part_urls: tuple[str, ...] = ()
+    present: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DirectRead:
+    """A presigned GET of the object holding a blob's stored chunks, from `offset`."""
+
+    url: str
+    layout: ColdLayout
 
 
 class ColdTier(Closing, BlobStore):
@@ -236,6 +271,217 @@ class ColdTier(Closing, BlobStore):
                     name = item["Key"][len(self._blobs) :]
                     if _HEX.fullmatch(name):
                         yield Digest("sha256", name)
+
+    # -- direct transfers --------------------------------------------------------------------
+
+    def presign_upload(self, sha256: Digest, size: int, expires: int) -> DirectUpload:
+        """A presigned PUT for a client to upload the blob's bytes itself, to a fresh object
+        under data/; the endpoint refuses any bytes whose SHA-256 is not the blob's."""
+        require_sha256(sha256)
+        if size > DIRECT_PUT_MAX:
+            raise InvalidArgument(
+                f"a direct upload is one PUT of at most {DIRECT_PUT_MAX} bytes; "
+                f"{sha256} has {size}: stream it through the vault"
+            )
+        key = f"{self.prefix}data/{secrets.token_hex(16)}"
+        checksum = b64(sha256.raw)
+        with self._s3.errors("presigning an upload"):
+            url = self.client.generate_presigned_url(
+                "put_object",
+                Params={"Bucket": self.bucket, "Key": key, "ChecksumSHA256": checksum},
+                ExpiresIn=expires,
+            )
+        return DirectUpload(key, url, {"x-amz-checksum-sha256": checksum})
+
+    def presign_parts(
+        self,
+        sha256: Digest,
+        size: int,
+        part_size: int,
+        parts: Sequence[bytes],
+        expires: int,
+        resume: tuple[str, str] | None = None,
+    ) -> DirectUpload:
+        """An upload in parts of `part_size` bytes (the last smaller), each presigned with its
+        SHA-256 from `parts`; a new upload under data/, or the upload `resume` (key, upload
+        id) begun earlier, with the parts it already holds named."""
+        require_sha256(sha256)
+        count = -(-size // part_size) if part_size else 0
+        if not MIN_PART_SIZE <= part_size <= MAX_PART_SIZE or not 0 < count <= MAX_PARTS:
+            raise InvalidArgument(
+                f"an upload in parts takes parts of {MIN_PART_SIZE} to {MAX_PART_SIZE} bytes, "
+                f"at most {MAX_PARTS} of them: {part_size} bytes for {size} is not that"
+            )
+        if len(parts) != count or any(len(digest) != 32 for digest in parts):
+            raise InvalidArgument(
+                f"{size} bytes in parts of {part_size} are {count} parts, each with a "
+                f"SHA-256: {len(parts)} were given"
+            )
+        present: tuple[int, ...] = ()
+        if resume is None:
+            key = f"{self.prefix}data/{secrets.token_hex(16)}"
+            started = self._s3.call(
+                f"starting an upload to {key}",
+                "create_multipart_upload",
+                Key=key,
+                ContentType="application/octet-stream",
+                ChecksumAlgorithm="SHA256",
+            )
+            upload_id = str(started["UploadId"])
+        else:
+            key, upload_id = resume
+            self._check_upload_key(key)
+            held = self._uploaded_parts(key, upload_id)
+            present = tuple(
+                n
+                for n, (checksum, _, _) in sorted(held.items())
+                if n <= count and checksum == b64(parts[n - 1])
+            )
+        with self._s3.errors("presigning an upload"):
+            urls = tuple(
+                self.client.generate_presigned_url(
+                    "upload_part",
+                    Params={
+                        "Bucket": self.bucket,
+                        "Key": key,
+                        "UploadId": upload_id,
+                        "PartNumber": number,
+                        "ChecksumSHA256": b64(digest),
+                    },
+                    ExpiresIn=expires,
+                )
+                for number, digest in enumerate(parts, start=1)
+            )
+        return DirectUpload(key, "", {}, upload_id, urls, present)
+
+    def _uploaded_parts(self, key: str, upload_id: str) -> dict[int, tuple[str, str, int]]:
+        """Part number to its SHA-256 checksum, ETag and size, of the parts an upload holds."""
+        found: dict[int, tuple[str, str, int]] = {}
+        marker = 0
+        while True:
+            try:
+                page = self._s3.call(
+                    f"listing the parts of {key}",
+                    "list_parts",
+                    tolerate=frozenset({"NoSuchUpload"}) | MISSING,
+                    Key=key,
+                    UploadId=upload_id,
+                    PartNumberMarker=marker,
+                )
+            except Refused:
+                raise NotFound(f"no upload {upload_id} to {self._where}{key}") from None
+            for part in page.get("Parts", ()):
+                found[int(part["PartNumber"])] = (
+                    str(part.get("ChecksumSHA256", "")),
+                    str(part["ETag"]),
+                    int(part["Size"]),
+                )
+            if not page.get("IsTruncated"):
+                return found
+            marker = int(page["NextPartNumberMarker"])
+
+    def _check_upload_key(self, key: str) -> None:
+        if not key.startswith(self.prefix) or not _UPLOAD_KEY.fullmatch(
+            key.removeprefix(self.prefix)
+        ):
+            raise InvalidArgument(f"{key!r} is not an upload this vault hands out")
+
+    def _complete_parts(self, key: str, upload_id: str, size: int) -> None:
+        """Join an upload's parts into its object, once they are numbered from 1 without a
+        gap and hold `size` bytes."""
+        held = self._uploaded_parts(key, upload_id)
+        total = sum(part[2] for part in held.values())
+        if not held or sorted(held) != list(range(1, len(held) + 1)) or total != size:
+            raise FailedPrecondition(
+                f"the upload to {key} lacks parts: it holds {len(held)} parts, {total} bytes, "
+                f"of the blob's {size}; upload the rest, then finish"
+            )
+        self._s3.call(
+            f"completing the upload to {key}",
+            "complete_multipart_upload",
+            Key=key,
+            UploadId=upload_id,
+            MultipartUpload={
+                "Parts": [
+                    {"PartNumber": n, "ETag": held[n][1], "ChecksumSHA256": held[n][0]}
+                    for n in sorted(held)
+                ]
+            },
+        )
+
+    def adopt_upload(
+        self, sha256: Digest, key: str, upload_id: str = "", size: int = 0
+    ) -> tuple[BlobInfo, bool]:
+        """Store, under its digest, the blob a client uploaded to data object `key` (in parts,
+        if `upload_id`, which are joined first once they hold `size` bytes): a single PUT must
+        be held with the blob's SHA-256 as its checksum, and every upload is read back and
+        hashed here (its chunk list, its BLAKE3 and its SHA-256 again) before its index is
+        written. Returns its info
+        and whether it was new here; an object that is not the blob is deleted and refused
+        (IntegrityError)."""
+        require_sha256(sha256)
+        self._check_upload_key(key)
+        if upload_id:
+            self._complete_parts(key, upload_id, size)
+        try:
+            head = self._s3.call(
+                f"looking up {key}",
+                "head_object",
+                tolerate=MISSING,
+                Key=key,
+                ChecksumMode="ENABLED",
+            )
+        except Refused:
+            raise NotFound(f"nothing was uploaded to {self._where}{key}") from None
+        size = int(head["ContentLength"])
+        # An object made of parts carries the SHA-256 of its parts' SHA-256s: only reading it
+        # back says what it holds.
+        if not upload_id and head.get("ChecksumSHA256") != b64(sha256.raw):
+            self._drop_upload(key)
+            raise IntegrityError(
+                f"the object uploaded to {key} was not stored with {sha256} as its checksum: "
+                "refused and deleted"
+            )
+        try:
+            with self._s3.reading(f"reading {key}", MISSING):
+                response = self.client.get_object(Bucket=self.bucket, Key=key)
+        except Refused:
+            raise NotFound(f"the upload {self._where}{key} was deleted meanwhile") from None
+        body = response["Body"]
+        try:
+            with self._s3.reading(f"reading {key}"):
+                chunks = rehash(iter(lambda: body.read(CHUNK_SIZE), b""), CHUNK_SIZE)
+        finally:
+            body.close()
+        if chunks.sha256 != sha256 or chunks.size != size:
+            self._drop_upload(key)
+            raise IntegrityError(
+                f"the object uploaded to {key} is not {sha256}: its {chunks.size} bytes hash "
+                f"to {chunks.sha256}; refused and deleted"
+            )
+        entries = [chunks.span(n)[1] for n in range(chunks.count)]
+        created = self._put_index(
+            self._index_key(sha256), encode_index(chunks, entries, key), chunks, size, key
+        )
+        if not created:
+            # Stored already, from other data: this copy is not needed.
+            self._drop_upload(key)
+        return chunks.info, created
+
+    def _drop_upload(self, key: str) -> None:
+        with contextlib.suppress(Unavailable):
+            self._s3.call(f"deleting {key}", "delete_object", Key=key)
+
+    def presign_read(self, sha256: Digest, expires: int) -> DirectRead:
+        """A presigned GET of the object holding the blob's stored chunks."""
+        layout = self._load(sha256)[0]
+        with self._s3.errors("presigning a read"):
+            url = self.client.generate_presigned_url(
+                "get_object",
+                Params={"Bucket": self.bucket, "Key": layout.data_key},
+                ExpiresIn=expires,
+            )
+        return DirectRead(url, layout)
 
     # -- inside: objects ---------------------------------------------------------------------
 

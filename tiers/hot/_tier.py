@@ -82,25 +82,26 @@ class HotTier(BatchPut):
         self.repairing: Callable[[Digest, int | None, str, str], None] | None = None
         # Where a hot tier with no tier manager over it journals, and as which tier: set by
         # `journal_repairs`, read by the audit of pinned blobs.
-        self.journaled_as: tuple[Path, str] | None = None
+        self.journaled_as: tuple[Path | str, str, str] | None = None
 
     def __repr__(self) -> str:
         return f"HotTier({str(self.root)!r})"
 
-    def journal_repairs(self, path: Path, name: str = "hot") -> None:
-        """Journal the repairs puts make, as those of tier `name`, in the tier journal file at
-        `path` (tiers/placements.py): for a hot tier with no tier manager over it to journal
-        them. The journal is opened for each record, as repairs are rare."""
+    def journal_repairs(self, where: Path | str, name: str = "hot", host: str = "") -> None:
+        """Journal the repairs puts make, as those of tier `name` (of `host`, in a record
+        several servers share), in the placement record at `where` (tiers/placements.py: a
+        SQLite file or a database URL): for a hot tier with no tier manager over it to journal
+        them. The record is opened for each repair, as repairs are rare."""
 
         def record(sha256: Digest, offset: int | None, found: str, action: str) -> None:
-            journal = Journal(path)
+            journal = Journal(where, host=host)
             try:
                 journal.record(sha256, name, offset, found, action)
             finally:
                 journal.close()
 
         self.repairing = record
-        self.journaled_as = (path, name)
+        self.journaled_as = (where, name, host)
 
     # -- writes ------------------------------------------------------------------------------
 

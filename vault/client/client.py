@@ -14,6 +14,7 @@ from typing import IO
 
 from vault.client.audit import CHUNK, audit_in_chunks
 from vault.client.channel import Credentials, open_channel, rpc_errors
+from vault.client.direct import get_direct, put_direct
 from vault.client.proofs import check_inclusion, check_proven, names_any, not_about
 from vault.client.reader import BlobReader
 from vault.client.results import Admission, BlobInfo, ProvenEntry, PutResult, Stat
@@ -128,6 +129,35 @@ class VaultClient:
         for the handoff whatever the size and fails if it cannot be had; `False` always
         streams."""
         return self._transfer.put(source, expected=expected, progress=progress, handoff=handoff)
+
+    def put_direct(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        part_size: int | None = None,
+        uploads: str | os.PathLike[str] | None = None,
+    ) -> PutResult:
+        """Store a file by uploading it straight to the vault's object store with a request the
+        vault signs for exactly this file's SHA-256 (the store refuses other bytes); returns
+        once the vault has verified the upload and catalogued it. For vaults with mirrors; the
+        bytes do not pass through the vault's server on their way in but once, to be
+        verified. A file larger than one PUT takes (5 GiB), or any with `part_size`, goes up in
+        parts, each bound to its own SHA-256; with `uploads` (a folder), an upload in parts
+        cut short is resumed by the next put of the same file, which sends only the parts
+        missing."""
+        return put_direct(
+            self.store,
+            self.timeout,
+            Path(path),
+            part_size=part_size,
+            uploads=None if uploads is None else Path(uploads),
+        )
+
+    def get_direct(self, digest: str, path: str | os.PathLike[str]) -> BlobInfo:
+        """Write a verified blob to `path`, read straight from a mirror copy in the vault's
+        object store with a request the vault signs; checked here against the digest, as every
+        read is, before the file appears."""
+        return get_direct(self.store, self.timeout, digest, Path(path))
 
     def put_many(
         self,

@@ -12,7 +12,7 @@ import secrets
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
 import blake3
 
@@ -23,6 +23,41 @@ from vault.errors import InvalidArgument
 _FLAGS: Final = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 # What a partial file of this client's making is: the only kind a get reuses.
 _MODE: Final = 0o600
+
+
+T = TypeVar("T")
+
+
+def settle(fd: int, partial: Path, target: Path, fill: Callable[[], T]) -> T:
+    """Run `fill`, which writes and verifies the partial file `fd`; then give the file the
+    mode a new file of the user's would have and rename it onto `target`. Any failure, an
+    interrupt too, removes the partial file instead (only a process killed outright leaves it,
+    for a later get to resume from); the descriptor is closed either way."""
+    renamed = False
+    try:
+        result = fill()
+        os.fchmod(fd, new_file_mode())
+        check_still_ours(fd, partial)
+        os.replace(partial, target)
+        renamed = True
+        return result
+    finally:
+        if not renamed:
+            remove_if_ours(fd, partial)
+        os.close(fd)
+
+
+def new_file_mode() -> int:
+    """The mode a file the user creates would have (0666 less the umask, read without changing
+    it); 0600 when the umask cannot be read."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o600
 
 
 def create_partial(target: Path) -> tuple[int, Path]:

@@ -20,11 +20,11 @@ import blake3
 from vault.client.channel import rpc_errors
 from vault.client.handoff import HANDOFF_MIN, Mode, hand_off, open_pipe
 from vault.client.partial import (
-    check_still_ours,
     create_partial,
     keep_verified,
     open_resumable,
     remove_if_ours,
+    settle,
 )
 from vault.client.reader import BackgroundHash, BlobReader, read_chunk_hashes
 from vault.client.results import BlobInfo, PutResult
@@ -344,37 +344,28 @@ class Transfer:
             )
         wanted = Digest.parse(digest)
         fd, partial = open_resumable(target, wanted) if whole else create_partial(target)
-        renamed = False
-        try:
+
+        def fill() -> BlobInfo:
             if whole:
-                info = self._fetch_resuming(wanted, fd, handoff=handoff, progress=progress)
-            else:
-                # The range is verified only as part of the whole blob (see `open`), spooled
-                # beside the target, on its file system.
-                spool = _anonymous_file(target.parent)
-                try:
-                    info, start, count = self._fetch(
-                        wanted,
-                        spool,
-                        offset=offset,
-                        length=length,
-                        handoff=handoff,
-                        progress=progress,
-                    )
-                    _copy_out(spool, fd, start, count)
-                finally:
-                    os.close(spool)
-            os.fchmod(fd, _new_file_mode())
-            check_still_ours(fd, partial)
-            os.replace(partial, target)
-            renamed = True
-        finally:
-            # Any failure, an interrupt too, removes the partial file; only a process killed
-            # outright leaves it, for the next get of the blob to resume from.
-            if not renamed:
-                remove_if_ours(fd, partial)
-            os.close(fd)
-        return info
+                return self._fetch_resuming(wanted, fd, handoff=handoff, progress=progress)
+            # The range is verified only as part of the whole blob (see `open`), spooled
+            # beside the target, on its file system.
+            spool = _anonymous_file(target.parent)
+            try:
+                info, start, count = self._fetch(
+                    wanted,
+                    spool,
+                    offset=offset,
+                    length=length,
+                    handoff=handoff,
+                    progress=progress,
+                )
+                _copy_out(spool, fd, start, count)
+            finally:
+                os.close(spool)
+            return info
+
+        return settle(fd, partial, target, fill)
 
     def _fetch_resuming(
         self,
@@ -523,19 +514,6 @@ def _anonymous_file(folder: Path) -> int:
     fd, partial = create_partial(folder / "spool")
     remove_if_ours(fd, partial)
     return fd
-
-
-def _new_file_mode() -> int:
-    """The mode a file the user creates would have (0666 less the umask, read without changing
-    it); 0600 when the umask cannot be read."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return 0o666 & ~int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o600
 
 
 def _copy_out(source: int, out: int, start: int, count: int) -> None:

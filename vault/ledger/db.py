@@ -29,13 +29,11 @@ from sqlalchemy import (
     Select,
     Table,
     Text,
-    create_engine,
     event,
     select,
     text,
 )
 from sqlalchemy.engine import Connection, ExceptionContext, make_url
-from sqlalchemy.pool import NullPool
 
 from vault.digest import digest_key
 from vault.errors import DiskFull, ResourceExhausted, VaultError
@@ -46,6 +44,7 @@ from vault.ledger.subject_index import (
     SubjectIndex,
     database_path,
 )
+from vault.sql import is_sqlite, server_engine, sqlite_engine
 
 SCHEMA_VERSION: Final = 6
 
@@ -296,6 +295,7 @@ class Database:
         where: str = "",
         params: Sequence[Any] = (),
         limit: int | None = None,
+        every_subject: bool = False,
     ) -> list[tuple[str, list[Any]]]:
         """The statements `naming` runs, with their parameters (see there)."""
         if not keys:
@@ -307,9 +307,10 @@ class Database:
             )
             return [(sql + ("" if limit is None else f" LIMIT {int(limit)}"), [*keys, *params])]
         indexes = self.subjects.indexes(keys, limit)
-        per = _SQLITE_BOUND_VALUES - len(keys) - len(params)
+        tested = () if every_subject else keys
+        per = _SQLITE_BOUND_VALUES - len(tested) - len(params)
         return [
-            (naming_by_index(columns, len(keys), where, len(part)), [*keys, *params, *part])
+            (naming_by_index(columns, len(tested), where, len(part)), [*tested, *part, *params])
             for part in (indexes[start : start + per] for start in range(0, len(indexes), per))
         ]
 
@@ -321,14 +322,19 @@ class Database:
         where: str = "",
         params: Sequence[Any] = (),
         limit: int | None = None,
+        every_subject: bool = False,
     ) -> list[tuple[Any, ...]]:
         """`columns` of `entry_subjects s JOIN entries e` for the entries naming any of `keys`
         (raw digest keys), in index order, the first `limit` only if given; `where` adds a
         condition (`AND ...`) with its `params`. On SQLite the subject index gives the entries'
-        indexes and the join keeps only those whose rows name one of `keys`."""
+        indexes and the join keeps only those whose rows name one of `keys`; with
+        `every_subject`, it keeps every subject row of those entries, for a caller that selects
+        `s.digest` and drops the rows of digests it did not ask for itself (cheaper for many
+        keys, see `naming_by_index`). PostgreSQL, which searches the rows by digest, gives
+        only the rows of `keys` either way."""
         found: list[tuple[Any, ...]] = []
         for sql, values in self.naming_queries(
-            columns, keys, where=where, params=params, limit=limit
+            columns, keys, where=where, params=params, limit=limit, every_subject=every_subject
         ):
             found += self.fetch(sql, values)
         return found
@@ -386,15 +392,17 @@ def listing(
 
 def naming_by_index(columns: str, keys: int, where: str, indexes: int) -> str:
     """On SQLite, `columns` of the entries among `indexes` (given by the subject index) whose
-    subject rows name one of `keys`. Each entry's rows are found by its index alone, and the
-    digest only tested on them (`+`: no index of it): keyed by (idx, digest), the rows would
-    otherwise be probed once for every pair of an index and a digest. CROSS JOIN keeps the
-    subject rows the outer loop, so that a condition on the entries (`where`) is tested on
-    the entries found, never by a walk of the entries it matches."""
+    subject rows name one of `keys` (bound first, then the indexes, then `where`'s values).
+    Each entry's rows are found by its index alone, and the digest only tested on them (`+`:
+    no index of it): keyed by (idx, digest), the rows would otherwise be probed once for every
+    pair of an index and a digest. CROSS JOIN keeps the subject rows the outer loop, so that a
+    condition on the entries (`where`) is tested on the entries found, never by a walk of the
+    entries it matches. `keys` 0: every subject row of those entries, no digest tested (a test
+    against hundreds of keys costs SQLite more a row than the whole rest of the join)."""
+    tested = f"+s.digest IN ({placeholders(keys)}) AND " if keys else ""
     return (
         f"SELECT {columns} FROM entry_subjects s CROSS JOIN entries e ON e.idx = s.idx "
-        f"WHERE +s.digest IN ({placeholders(keys)}){where} "
-        f"AND s.idx IN ({placeholders(indexes)}) ORDER BY s.idx"
+        f"WHERE {tested}s.idx IN ({placeholders(indexes)}){where} ORDER BY s.idx"
     )
 
 
@@ -576,12 +584,14 @@ def placeholders(count: int) -> str:
 
 def open_database(url: str, *, create: bool = True) -> Database:
     """Connect, create or upgrade the schema, and refuse a schema newer than this code."""
-    if url.startswith("sqlite"):
-        read = _sqlite_engine(url, immediate=False)
-        write = _sqlite_engine(url, immediate=True)
+    if is_sqlite(url):
+        # Each server thread keeps a read connection of its own (see `Database.fetch`); the
+        # appender takes the write lock up front, so the head it reads stays the head.
+        read = sqlite_engine(url, immediate=False)
+        write = sqlite_engine(url, immediate=True)
     else:
-        read = create_engine(url, pool_size=8, max_overflow=64, pool_pre_ping=True)
-        write = create_engine(url, pool_size=2, max_overflow=2, pool_pre_ping=True)
+        read = server_engine(url, pool_size=8, max_overflow=64)
+        write = server_engine(url, pool_size=2, max_overflow=2)
     for engine in (read, write):
         # Every statement through SQLAlchemy: a full disk is told as such, not as a driver error.
         event.listen(engine, "handle_error", lambda context: _on_error(url, context))
@@ -596,32 +606,6 @@ def open_database(url: str, *, create: bool = True) -> Database:
 
 def _on_error(url: str, context: ExceptionContext) -> BaseException | None:
     return disk_full(url, context.original_exception)
-
-
-def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
-    # Each server thread keeps a read connection of its own (see `Database.fetch`).
-    pool: dict[str, Any] = (
-        {"poolclass": NullPool} if ":memory:" in url else {"pool_size": 8, "max_overflow": 64}
-    )
-    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **pool)
-
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        # Let SQLAlchemy's begin event issue BEGIN itself (pysqlite's own is deferred).
-        dbapi_connection.isolation_level = None
-        cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        # FULL: a commit is on disk before it returns, so an acknowledged append survives a crash.
-        cursor.execute("PRAGMA synchronous=FULL")
-        cursor.execute("PRAGMA busy_timeout=30000")
-        cursor.close()
-
-    @event.listens_for(engine, "begin")
-    def _on_begin(connection: Connection) -> None:
-        # The appender takes the write lock up front, so the head it reads stays the head.
-        connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
-
-    return engine
 
 
 def migrate(db: Database, *, create: bool = True) -> None:

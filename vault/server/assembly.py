@@ -1,12 +1,17 @@
 """The content store a vault runs on, put together from the config: the hot tier alone, or the
 hot tier, the warm tier and the mirrors under one tier manager, with every put queued for its
-mirror copies and the replication worker running beside it."""
+mirror copies and the replication worker running beside it; and the placement record they all
+write: a SQLite file in the data folder on one host, the ledger's database when it is a
+database server several vault servers may share."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import secrets
 import shutil
+import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -14,6 +19,7 @@ from typing import TYPE_CHECKING, Final
 from tiers.placements import JOURNAL_FILE_NAME
 from vault.config import Config
 from vault.errors import InvalidArgument, is_disk_full
+from vault.files import fsync_dir
 from vault.store.protocol import BlobStore, Closing
 
 # The tier and mirror modules (and botocore under them) load only when a store needs them: a
@@ -24,11 +30,80 @@ if TYPE_CHECKING:
     from mirror.store import ReplicatingStore
     from tiers.hot import HotTier
     from tiers.manager import TierManager
+    from tiers.placements import Journal
 
 log = logging.getLogger("pinvault")
 
 # `vault mirror status` must answer promptly even when a mirror hangs.
 _PROBE_TIMEOUT: Final = 5.0
+# The data folder's name for its host in a placement record several servers share.
+HOST_FILE_NAME: Final = "host"
+# What a placement record file of this host's alone is renamed to once carried into the shared
+# record (kept, not deleted: it is the operator's to remove).
+CARRIED_SUFFIX: Final = ".carried"
+
+
+def host_name(config: Config) -> str:
+    """The name this data folder's tiers go by in a shared placement record: made once (the
+    host's name and a random part, as two servers may share a host) and kept in the folder."""
+    path = config.data_path / HOST_FILE_NAME
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    name = f"{socket.gethostname().split('.')[0]}-{secrets.token_hex(3)}"
+    config.data_path.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{HOST_FILE_NAME}.{secrets.token_hex(4)}")
+    with open(partial, "w") as file:
+        file.write(name + "\n")
+        file.flush()
+        os.fsync(file.fileno())
+    try:
+        # Two processes starting at once keep whichever name was linked first.
+        os.link(partial, path)
+    except FileExistsError:
+        pass
+    finally:
+        partial.unlink()
+    fsync_dir(config.data_path)
+    return path.read_text().strip()
+
+
+def record_where(config: Config) -> tuple[Path | str, str]:
+    """Where the placement record is (a SQLite file, or the ledger's database URL) and the
+    name this server's own tiers have in it."""
+    if not config.shared:
+        return config.data_path / JOURNAL_FILE_NAME, ""
+    return config.database_url, host_name(config)
+
+
+def open_placement_record(config: Config) -> Journal:
+    """The placement record, with the damage journal and the replication queue beside it. A
+    vault moving onto a shared database has its own record file carried into it first."""
+    from tiers.placements import Journal
+
+    where, host = record_where(config)
+    record = Journal(where, host=host)
+    local = config.data_path / JOURNAL_FILE_NAME
+    if host and local.exists():
+        try:
+            own = Journal(local)
+            try:
+                carried = record.adopt(own)
+            finally:
+                own.close()
+            with contextlib.suppress(FileNotFoundError):  # carried by another process
+                local.rename(local.with_name(local.name + CARRIED_SUFFIX))
+            for suffix in ("-wal", "-shm"):
+                local.with_name(local.name + suffix).unlink(missing_ok=True)
+            fsync_dir(config.data_path)
+        except BaseException:
+            record.close()
+            raise
+        log.info(
+            "placement record: %d copies carried from %s into the shared record", carried, local
+        )
+    return record
 
 
 def warm_configured(config: Config) -> bool:
@@ -99,11 +174,13 @@ def queue_path(config: Config) -> Path:
 
 
 def open_replication_queue(config: Config) -> ReplicationQueue:
-    """The durable queue of mirror copies still to make; a SQLite file in the data folder, safe
-    to share between a running server and a host command."""
+    """The durable queue of mirror copies still to make, beside the placement record; safe to
+    share between running servers and a host command."""
     from mirror.queue import ReplicationQueue
 
-    return ReplicationQueue(queue_path(config))
+    return ReplicationQueue(
+        queue_path(config), placements=open_placement_record(config), owned=True
+    )
 
 
 def open_replicating_store(
@@ -130,7 +207,7 @@ def open_replicating_store(
             *extra_tiers,
             *((f"mirror-{m.name}", MirrorReads(m)) for m in mirrors),
         ],
-        journal=config.data_path / JOURNAL_FILE_NAME,
+        journal=open_placement_record(config),
         promote=promote,
         owned=list(owned),
     )
@@ -142,12 +219,20 @@ def open_replicating_store(
         queue,
         retry_min=config.mirrors.retry_min,
         retry_max=config.mirrors.retry_max,
+        # The data folder's name: the same after a restart, which takes its claims back.
+        owner=host_name(config),
+        lease=config.mirrors.claim_lease,
     )
+    # What this server had claimed before it stopped is its to do again, now.
+    queue.release(replicator.owner)
     replicator.start()
     # Copies queued before a restart are due at once: the mirror may well be back.
     queue.retry_now()
     replicator.notify()
-    return ReplicatingStore(manager, mirrors, queue, replicator)
+    acknowledged = config.mirrors.acknowledged_copies
+    if acknowledged < 0:
+        acknowledged = 1 if config.shared else 0
+    return ReplicatingStore(manager, mirrors, queue, replicator, acknowledged=acknowledged)
 
 
 def open_tiered_store(config: Config, hot: HotTier) -> BlobStore:
@@ -164,7 +249,7 @@ def open_tiered_store(config: Config, hot: HotTier) -> BlobStore:
         )
     return TierManager(
         [("hot", hot), ("warm", warm)],
-        journal=config.data_path / JOURNAL_FILE_NAME,
+        journal=open_placement_record(config),
         promote=promote,
         owned=[warm],
     )
@@ -179,8 +264,16 @@ def open_content_store(config: Config) -> BlobStore:
         log.info("warm tier %s", config.store.warm_dir)
         return open_tiered_store(config, hot)
     if not mirrors_configured(config):
+        if config.shared:
+            log.warning(
+                "the ledger is on a shared database but no mirrors are configured: this "
+                "server's blobs are on its own disk only, which other vault servers cannot read"
+            )
         # No tier manager journals its repairs: it does so itself.
-        hot.journal_repairs(config.data_path / JOURNAL_FILE_NAME)
+        where, host = record_where(config)
+        if host:
+            open_placement_record(config).close()  # carries a record of its own over first
+        hot.journal_repairs(where, host=host)
         return hot
     store = open_replicating_store(config, hot, promote=config.policy.promote_on_read)
     log.info(

@@ -4,6 +4,7 @@ existence checks, the audit of every pinned blob and the scrub of every tier on 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import queue
 import threading
@@ -12,16 +13,20 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Final
 
 from vault.digest import Digest
-from vault.errors import FailedPrecondition, IntegrityError, InvalidArgument
+from vault.errors import FailedPrecondition, IntegrityError, InvalidArgument, VaultError
 from vault.ledger.log import Ledger
 from vault.server.blob_audit import BlobAudit
 from vault.server.content import Content, StoredBlob
+from vault.server.damage import KnownDamage
+from vault.server.direct import EXPIRES_SECONDS, DirectTransfers, Planned
 from vault.server.edge import Service, abort, client_stream, stream, streaming, unary
 from vault.server.ledger_service import entry_message
 from vault.store.chunks import CHUNK_SIZE
 from vault.store.handoff import Desk, Mode, read_handed_off, write_handed_off
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
+
+log = logging.getLogger("pinvault")
 
 # What fits in one message the vault reads (service.MAX_RECEIVE): 73 bytes a digest.
 MAX_FIND_MISSING: Final = 100_000
@@ -129,6 +134,7 @@ class StoreService(Service, rpc.StoreServicer):
         self.scrub = scrub
         self._scrubbing = threading.Lock()
         self.inline = content.db.is_sqlite
+        self.direct = DirectTransfers(content)
 
     def _claim(self, ticket: str, mode: Mode) -> int:
         if self.desk is None:
@@ -185,6 +191,23 @@ class StoreService(Service, rpc.StoreServicer):
         return blob, list(self._get(request, blob))
 
     def _get(self, request: pb.GetRequest, blob: StoredBlob) -> Iterator[pb.GetResponse]:
+        try:
+            yield from self._get_messages(request, blob)
+        except IntegrityError as error:
+            self._found_damaged(blob, error)
+            raise
+
+    def _found_damaged(self, blob: StoredBlob, error: IntegrityError) -> None:
+        """A get met a damaged copy (and fails, DATA_LOSS): for a hot tier alone, journalled,
+        and so counted, and logged as any check that finds it (a tier manager has journalled
+        and counted what it found itself)."""
+        try:
+            with KnownDamage(self.content.store) as damage:
+                damage.found_damaged(blob.info.sha256, str(error), again=False)
+        except VaultError as failed:
+            log.error("could not journal the damage a get of %s met: %s", blob.info.sha256, failed)
+
+    def _get_messages(self, request: pb.GetRequest, blob: StoredBlob) -> Iterator[pb.GetResponse]:
         length = request.length if request.HasField("length") else None
         if request.hashes_only:
             yield from self._chunk_hashes(request, blob, length)
@@ -252,6 +275,58 @@ class StoreService(Service, rpc.StoreServicer):
             {e.index: e for es in pins.values() for e in es}.values(), key=lambda e: e.index
         )
         return pb.StatResponse(blob=_blob(blob), pins=[entry_message(e) for e in entries])
+
+    @unary
+    def DirectPut(self, request: pb.DirectPutRequest) -> pb.DirectPutPlan:
+        resume = (request.resume_mirror, request.resume_key, request.resume_upload_id)
+        planned = self.direct.plan_put(
+            Planned(
+                Digest.parse(request.sha256),
+                request.size,
+                parts=(request.part_size, list(request.part_sha256)) if request.part_size else None,
+                resume=resume if all(resume) else None,
+            )
+        )
+        if isinstance(planned, StoredBlob):
+            return pb.DirectPutPlan(stored=_blob(planned))
+        mirror, upload = planned
+        return pb.DirectPutPlan(
+            mirror=mirror,
+            key=upload.key,
+            url=upload.url,
+            headers=upload.headers,
+            expires_seconds=EXPIRES_SECONDS,
+            upload_id=upload.upload_id,
+            part_urls=upload.part_urls,
+            parts_present=upload.present,
+        )
+
+    @unary
+    def FinishDirectPut(self, request: pb.FinishDirectPutRequest) -> pb.PutResponse:
+        blob, created = self.direct.finish_put(
+            Digest.parse(request.sha256),
+            request.mirror,
+            request.key,
+            request.upload_id,
+            request.size,
+        )
+        return pb.PutResponse(blob=_blob(blob), created=created)
+
+    @unary
+    def DirectGet(self, request: pb.DirectGetRequest) -> pb.DirectGetPlan:
+        blob, read = self.direct.plan_get(Digest.parse(request.digest))
+        layout = read.layout
+        return pb.DirectGetPlan(
+            blob=_blob(blob),
+            url=read.url,
+            offset=layout.data_offset,
+            extents=[
+                pb.StoredExtent(length=extent.length, compressed=extent.compressed)
+                for extent in layout.extents
+            ],
+            chunk_size=layout.chunks.chunk_size,
+            expires_seconds=EXPIRES_SECONDS,
+        )
 
     @unary
     def FindMissing(self, request: pb.FindMissingRequest) -> pb.FindMissingResponse:

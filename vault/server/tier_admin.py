@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tiers.placements import JOURNAL_FILE_NAME
 from vault.config import Config
 from vault.digest import Digest
 from vault.errors import Unavailable
@@ -19,6 +18,7 @@ from vault.server.assembly import (
     mirrors_configured,
     open_hot_tier,
     open_mirror_set,
+    open_placement_record,
     open_replication_queue,
     warm_configured,
     warm_path,
@@ -73,7 +73,7 @@ class _HostTiers:
                 mirror_set = open_mirror_set(config)
                 self.closers.append(mirror_set.close)
                 tiers += [(f"mirror-{m.name}", MirrorReads(m)) for m in mirror_set]
-        self.manager = TierManager(tiers, journal=config.data_path / JOURNAL_FILE_NAME)
+        self.manager = TierManager(tiers, journal=open_placement_record(config))
         self.closers.append(self.manager.close)
 
     def close(self) -> None:

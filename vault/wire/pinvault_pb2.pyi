@@ -434,6 +434,239 @@ class StatRequest(_message.Message):
 Global___StatRequest: _TypeAlias = StatRequest  # noqa: Y015
 
 @_typing.final
+class DirectPutRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHA256_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    PART_SIZE_FIELD_NUMBER: _builtins.int
+    PART_SHA256_FIELD_NUMBER: _builtins.int
+    RESUME_MIRROR_FIELD_NUMBER: _builtins.int
+    RESUME_KEY_FIELD_NUMBER: _builtins.int
+    RESUME_UPLOAD_ID_FIELD_NUMBER: _builtins.int
+    sha256: _builtins.str
+    """The blob's SHA-256 and size, as the client computed them."""
+    size: _builtins.int
+    part_size: _builtins.int
+    """For an upload in parts (a blob larger than one PUT takes, or by the client's choice): the
+    part size (every part but the last) and each part's SHA-256, which binds its upload.
+    """
+    resume_mirror: _builtins.str
+    """Resume this upload in parts, begun by an earlier plan (its mirror, key and upload id)."""
+    resume_key: _builtins.str
+    resume_upload_id: _builtins.str
+    @_builtins.property
+    def part_sha256(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        sha256: _builtins.str = ...,
+        size: _builtins.int = ...,
+        part_size: _builtins.int = ...,
+        part_sha256: _abc.Iterable[_builtins.bytes] | None = ...,
+        resume_mirror: _builtins.str = ...,
+        resume_key: _builtins.str = ...,
+        resume_upload_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["part_sha256", b"part_sha256", "part_size", b"part_size", "resume_key", b"resume_key", "resume_mirror", b"resume_mirror", "resume_upload_id", b"resume_upload_id", "sha256", b"sha256", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DirectPutRequest: _TypeAlias = DirectPutRequest  # noqa: Y015
+
+@_typing.final
+class DirectPutPlan(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class HeadersEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    STORED_FIELD_NUMBER: _builtins.int
+    MIRROR_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    URL_FIELD_NUMBER: _builtins.int
+    HEADERS_FIELD_NUMBER: _builtins.int
+    EXPIRES_SECONDS_FIELD_NUMBER: _builtins.int
+    UPLOAD_ID_FIELD_NUMBER: _builtins.int
+    PART_URLS_FIELD_NUMBER: _builtins.int
+    PARTS_PRESENT_FIELD_NUMBER: _builtins.int
+    mirror: _builtins.str
+    """The mirror and object the upload goes to, for FinishDirectPut."""
+    key: _builtins.str
+    url: _builtins.str
+    """A presigned PUT, valid for expires_seconds, to send with exactly these headers."""
+    expires_seconds: _builtins.int
+    upload_id: _builtins.str
+    """An upload in parts: its id, a presigned PUT for each part in order (sent with that part's
+    SHA-256 as x-amz-checksum-sha256), and the numbers of the parts the store already holds
+    with the checksum given (a resumed upload skips them).
+    """
+    @_builtins.property
+    def stored(self) -> Global___BlobInfo:
+        """Set when the vault holds the blob already: there is nothing to upload."""
+
+    @_builtins.property
+    def headers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def part_urls(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def parts_present(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        stored: Global___BlobInfo | None = ...,
+        mirror: _builtins.str = ...,
+        key: _builtins.str = ...,
+        url: _builtins.str = ...,
+        headers: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        expires_seconds: _builtins.int = ...,
+        upload_id: _builtins.str = ...,
+        part_urls: _abc.Iterable[_builtins.str] | None = ...,
+        parts_present: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stored", b"stored"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_seconds", b"expires_seconds", "headers", b"headers", "key", b"key", "mirror", b"mirror", "part_urls", b"part_urls", "parts_present", b"parts_present", "stored", b"stored", "upload_id", b"upload_id", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DirectPutPlan: _TypeAlias = DirectPutPlan  # noqa: Y015
+
+@_typing.final
+class FinishDirectPutRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHA256_FIELD_NUMBER: _builtins.int
+    MIRROR_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    UPLOAD_ID_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    sha256: _builtins.str
+    mirror: _builtins.str
+    key: _builtins.str
+    upload_id: _builtins.str
+    """Set for an upload in parts, with the blob's size: the parts are joined only once they
+    hold that many bytes.
+    """
+    size: _builtins.int
+    def __init__(
+        self,
+        *,
+        sha256: _builtins.str = ...,
+        mirror: _builtins.str = ...,
+        key: _builtins.str = ...,
+        upload_id: _builtins.str = ...,
+        size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "mirror", b"mirror", "sha256", b"sha256", "size", b"size", "upload_id", b"upload_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FinishDirectPutRequest: _TypeAlias = FinishDirectPutRequest  # noqa: Y015
+
+@_typing.final
+class DirectGetRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DIGEST_FIELD_NUMBER: _builtins.int
+    digest: _builtins.str
+    def __init__(
+        self,
+        *,
+        digest: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DirectGetRequest: _TypeAlias = DirectGetRequest  # noqa: Y015
+
+@_typing.final
+class StoredExtent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LENGTH_FIELD_NUMBER: _builtins.int
+    COMPRESSED_FIELD_NUMBER: _builtins.int
+    length: _builtins.int
+    """A chunk's bytes as stored, and whether they are one zstd frame."""
+    compressed: _builtins.bool
+    def __init__(
+        self,
+        *,
+        length: _builtins.int = ...,
+        compressed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compressed", b"compressed", "length", b"length"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoredExtent: _TypeAlias = StoredExtent  # noqa: Y015
+
+@_typing.final
+class DirectGetPlan(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOB_FIELD_NUMBER: _builtins.int
+    URL_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    EXTENTS_FIELD_NUMBER: _builtins.int
+    CHUNK_SIZE_FIELD_NUMBER: _builtins.int
+    EXPIRES_SECONDS_FIELD_NUMBER: _builtins.int
+    url: _builtins.str
+    """A presigned GET of the object holding the stored chunks, from byte `offset`, one extent
+    after another; each decompresses to at most chunk_size bytes.
+    """
+    offset: _builtins.int
+    chunk_size: _builtins.int
+    expires_seconds: _builtins.int
+    @_builtins.property
+    def blob(self) -> Global___BlobInfo: ...
+    @_builtins.property
+    def extents(self) -> _containers.RepeatedCompositeFieldContainer[Global___StoredExtent]: ...
+    def __init__(
+        self,
+        *,
+        blob: Global___BlobInfo | None = ...,
+        url: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        extents: _abc.Iterable[Global___StoredExtent] | None = ...,
+        chunk_size: _builtins.int = ...,
+        expires_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["blob", b"blob"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blob", b"blob", "chunk_size", b"chunk_size", "expires_seconds", b"expires_seconds", "extents", b"extents", "offset", b"offset", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DirectGetPlan: _TypeAlias = DirectGetPlan  # noqa: Y015
+
+@_typing.final
 class StatResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

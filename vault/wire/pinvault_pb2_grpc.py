@@ -76,6 +76,21 @@ class StoreStub:
                 request_serializer=vault_dot_wire_dot_pinvault__pb2.ScrubRequest.SerializeToString,
                 response_deserializer=vault_dot_wire_dot_pinvault__pb2.ScrubProgress.FromString,
                 _registered_method=True)
+        self.DirectPut = channel.unary_unary(
+                '/pinvault.v1.Store/DirectPut',
+                request_serializer=vault_dot_wire_dot_pinvault__pb2.DirectPutRequest.SerializeToString,
+                response_deserializer=vault_dot_wire_dot_pinvault__pb2.DirectPutPlan.FromString,
+                _registered_method=True)
+        self.FinishDirectPut = channel.unary_unary(
+                '/pinvault.v1.Store/FinishDirectPut',
+                request_serializer=vault_dot_wire_dot_pinvault__pb2.FinishDirectPutRequest.SerializeToString,
+                response_deserializer=vault_dot_wire_dot_pinvault__pb2.PutResponse.FromString,
+                _registered_method=True)
+        self.DirectGet = channel.unary_unary(
+                '/pinvault.v1.Store/DirectGet',
+                request_serializer=vault_dot_wire_dot_pinvault__pb2.DirectGetRequest.SerializeToString,
+                response_deserializer=vault_dot_wire_dot_pinvault__pb2.DirectGetPlan.FromString,
+                _registered_method=True)
 
 
 class StoreServicer:
@@ -144,6 +159,27 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DirectPut(self, request, context):
+        """Bytes straight to and from the object store: a signed request for one upload of exactly
+        the blob named (the store refuses any other bytes), its adoption once uploaded (the vault
+        reads it back and verifies it before cataloguing it), and a signed read of a stored copy.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishDirectPut(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DirectGet(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +222,21 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.Scrub,
                     request_deserializer=vault_dot_wire_dot_pinvault__pb2.ScrubRequest.FromString,
                     response_serializer=vault_dot_wire_dot_pinvault__pb2.ScrubProgress.SerializeToString,
+            ),
+            'DirectPut': grpc.unary_unary_rpc_method_handler(
+                    servicer.DirectPut,
+                    request_deserializer=vault_dot_wire_dot_pinvault__pb2.DirectPutRequest.FromString,
+                    response_serializer=vault_dot_wire_dot_pinvault__pb2.DirectPutPlan.SerializeToString,
+            ),
+            'FinishDirectPut': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishDirectPut,
+                    request_deserializer=vault_dot_wire_dot_pinvault__pb2.FinishDirectPutRequest.FromString,
+                    response_serializer=vault_dot_wire_dot_pinvault__pb2.PutResponse.SerializeToString,
+            ),
+            'DirectGet': grpc.unary_unary_rpc_method_handler(
+                    servicer.DirectGet,
+                    request_deserializer=vault_dot_wire_dot_pinvault__pb2.DirectGetRequest.FromString,
+                    response_serializer=vault_dot_wire_dot_pinvault__pb2.DirectGetPlan.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -406,6 +457,87 @@ class Store:
             '/pinvault.v1.Store/Scrub',
             vault_dot_wire_dot_pinvault__pb2.ScrubRequest.SerializeToString,
             vault_dot_wire_dot_pinvault__pb2.ScrubProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DirectPut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pinvault.v1.Store/DirectPut',
+            vault_dot_wire_dot_pinvault__pb2.DirectPutRequest.SerializeToString,
+            vault_dot_wire_dot_pinvault__pb2.DirectPutPlan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishDirectPut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pinvault.v1.Store/FinishDirectPut',
+            vault_dot_wire_dot_pinvault__pb2.FinishDirectPutRequest.SerializeToString,
+            vault_dot_wire_dot_pinvault__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DirectGet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pinvault.v1.Store/DirectGet',
+            vault_dot_wire_dot_pinvault__pb2.DirectGetRequest.SerializeToString,
+            vault_dot_wire_dot_pinvault__pb2.DirectGetPlan.FromString,
             options,
             channel_credentials,
             insecure,

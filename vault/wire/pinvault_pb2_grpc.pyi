@@ -60,6 +60,13 @@ class StoreStub:
     """Re-verifies every copy on every tier now, repairing bad ones from good ones, as the
     background scrubber does over its window; streams progress, then the totals.
     """
+    DirectPut: _grpc.UnaryUnaryMultiCallable[_pinvault_pb2.DirectPutRequest, _pinvault_pb2.DirectPutPlan]
+    """Bytes straight to and from the object store: a signed request for one upload of exactly
+    the blob named (the store refuses any other bytes), its adoption once uploaded (the vault
+    reads it back and verifies it before cataloguing it), and a signed read of a stored copy.
+    """
+    FinishDirectPut: _grpc.UnaryUnaryMultiCallable[_pinvault_pb2.FinishDirectPutRequest, _pinvault_pb2.PutResponse]
+    DirectGet: _grpc.UnaryUnaryMultiCallable[_pinvault_pb2.DirectGetRequest, _pinvault_pb2.DirectGetPlan]
 
 @_typing.type_check_only
 class StoreAsyncStub(StoreStub):
@@ -91,6 +98,13 @@ class StoreAsyncStub(StoreStub):
     """Re-verifies every copy on every tier now, repairing bad ones from good ones, as the
     background scrubber does over its window; streams progress, then the totals.
     """
+    DirectPut: _aio.UnaryUnaryMultiCallable[_pinvault_pb2.DirectPutRequest, _pinvault_pb2.DirectPutPlan]  # type: ignore[assignment]
+    """Bytes straight to and from the object store: a signed request for one upload of exactly
+    the blob named (the store refuses any other bytes), its adoption once uploaded (the vault
+    reads it back and verifies it before cataloguing it), and a signed read of a stored copy.
+    """
+    FinishDirectPut: _aio.UnaryUnaryMultiCallable[_pinvault_pb2.FinishDirectPutRequest, _pinvault_pb2.PutResponse]  # type: ignore[assignment]
+    DirectGet: _aio.UnaryUnaryMultiCallable[_pinvault_pb2.DirectGetRequest, _pinvault_pb2.DirectGetPlan]  # type: ignore[assignment]
 
 class StoreServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------- content store"""
@@ -167,6 +181,31 @@ class StoreServicer(metaclass=_abc_1.ABCMeta):
         """Re-verifies every copy on every tier now, repairing bad ones from good ones, as the
         background scrubber does over its window; streams progress, then the totals.
         """
+
+    @_abc_1.abstractmethod
+    def DirectPut(
+        self,
+        request: _pinvault_pb2.DirectPutRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pinvault_pb2.DirectPutPlan, _abc.Awaitable[_pinvault_pb2.DirectPutPlan]]:
+        """Bytes straight to and from the object store: a signed request for one upload of exactly
+        the blob named (the store refuses any other bytes), its adoption once uploaded (the vault
+        reads it back and verifies it before cataloguing it), and a signed read of a stored copy.
+        """
+
+    @_abc_1.abstractmethod
+    def FinishDirectPut(
+        self,
+        request: _pinvault_pb2.FinishDirectPutRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pinvault_pb2.PutResponse, _abc.Awaitable[_pinvault_pb2.PutResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DirectGet(
+        self,
+        request: _pinvault_pb2.DirectGetRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pinvault_pb2.DirectGetPlan, _abc.Awaitable[_pinvault_pb2.DirectGetPlan]]: ...
 
 def add_StoreServicer_to_server(servicer: StoreServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -1,0 +1,88 @@
+"""Bytes straight between clients and the object store: the vault hands a writer a presigned PUT
+of one blob to one mirror, which takes only bytes with the blob's SHA-256, then adopts what was
+uploaded once it has read it back and verified it; and hands a reader a presigned GET of a
+mirror copy, which the client verifies as it does every read. The vault handles names and
+proofs; the bytes do not pass through it on their way in or out (they do once, on their way
+in, to be verified: no digest is catalogued on the client's word)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Final
+
+from vault.digest import Digest
+from vault.errors import FailedPrecondition, InvalidArgument
+from vault.server.content import Content, StoredBlob
+
+# The mirror modules (and botocore under them) load only when a store has mirrors.
+if TYPE_CHECKING:
+    from mirror.store import ReplicatingStore
+    from tiers.cold import DirectRead, DirectUpload
+
+# How long a presigned request stays valid: long enough for a large blob on a slow link.
+EXPIRES_SECONDS: Final = 3600
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """What a client asks to upload: the blob, and for an upload in parts, the part size and
+    each part's SHA-256, and the upload to resume (mirror, key, upload id) if any."""
+
+    sha256: Digest
+    size: int
+    parts: tuple[int, Sequence[bytes]] | None = None
+    resume: tuple[str, str, str] | None = None
+
+
+class DirectTransfers:
+    """The direct transfers of a vault whose content store has mirrors."""
+
+    def __init__(self, content: Content) -> None:
+        self.content = content
+
+    def _mirrored(self) -> ReplicatingStore:
+        from mirror.store import ReplicatingStore
+
+        store = self.content.store
+        if not isinstance(store, ReplicatingStore):
+            raise FailedPrecondition(
+                "direct transfers go to and from the vault's mirrors, and it has none: "
+                "stream the bytes through the vault"
+            )
+        return store
+
+    def plan_put(self, request: Planned) -> StoredBlob | tuple[str, DirectUpload]:
+        """The blob as stored already, or the mirror and presigned upload to upload it with."""
+        _require_sha256(request.sha256)
+        store = self._mirrored()
+        found = self.content.find(request.sha256)
+        if found is not None and found.info.size == request.size:
+            return found
+        return store.plan_upload(
+            request.sha256,
+            request.size,
+            EXPIRES_SECONDS,
+            parts=request.parts,
+            resume=request.resume,
+        )
+
+    def finish_put(
+        self, sha256: Digest, mirror: str, key: str, upload_id: str = "", size: int = 0
+    ) -> tuple[StoredBlob, bool]:
+        """Adopt an upload (verified on the way) and catalogue it."""
+        _require_sha256(sha256)
+        info, created = self._mirrored().adopt_upload(sha256, mirror, key, upload_id, size)
+        stored_at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        return self.content.adopt(info, stored_at), created
+
+    def plan_get(self, digest: Digest) -> tuple[StoredBlob, DirectRead]:
+        """The blob and a presigned read of one of its mirror copies."""
+        blob = self.content.get(digest)
+        return blob, self._mirrored().plan_read(blob.info.sha256, EXPIRES_SECONDS)
+
+
+def _require_sha256(digest: Digest) -> None:
+    if digest.algorithm != "sha256":
+        raise InvalidArgument(f"a direct upload is named by its SHA-256, not {digest}")
