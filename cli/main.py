@@ -105,6 +105,17 @@ def cmd_put(args: argparse.Namespace, config: Config) -> int:
                     total = os.stat(path).st_size
                 except OSError as exc:
                     raise InvalidArgument(f"cannot read {path}: {exc.strerror}") from None
+            if args.direct:
+                if source is not path or args.expect:
+                    raise InvalidArgument(
+                        "--direct uploads files, named by their own digest: not standard "
+                        "input, and not with --expect"
+                    )
+                result = client.put_direct(path, uploads=config.state_folder / "uploads")
+                results.append({"path": path, "created": result.created, **_blob_dict(result.blob)})
+                if not args.json:
+                    print(f"{result.blob.sha256}  {result.blob.blake3}  {shown(str(path))}")
+                continue
             bar = Progress(f"put {path}", total) if not args.json else None
             try:
                 result = client.put(source, expected=args.expect, progress=bar)
@@ -124,6 +135,15 @@ def cmd_get(args: argparse.Namespace, config: Config) -> int:
     from cli.progress import Progress
 
     with _client(config) as client:
+        if args.direct:
+            if not args.output or args.output == "-" or args.offset or args.length is not None:
+                from vault.errors import InvalidArgument
+
+                raise InvalidArgument("--direct fetches a whole blob into a file: give -o PATH")
+            info = client.get_direct(args.digest, args.output)
+            if args.json:
+                print_json({"path": args.output, **_blob_dict(info)})
+            return 0
         if args.output and args.output != "-":
             stat = client.stat(args.digest) if not args.json else None
             # A range is verified as part of the whole blob, which is what is fetched.
@@ -571,6 +591,11 @@ def _webhook_arguments(p: argparse.ArgumentParser) -> None:
 def _put_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH")
     p.add_argument("--expect", metavar="DIGEST", help="refuse unless the bytes hash to DIGEST")
+    p.add_argument(
+        "--direct",
+        action="store_true",
+        help="upload straight to the vault's object store (a vault with mirrors); resumable",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_put, moves_blobs=True)
 
@@ -580,6 +605,11 @@ def _get_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", help="write to this path (default: standard output)")
     p.add_argument("--offset", type=_non_negative, default=0)
     p.add_argument("--length", type=_non_negative)
+    p.add_argument(
+        "--direct",
+        action="store_true",
+        help="read straight from a mirror copy in the vault's object store, verified here",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_get, moves_blobs=True)
 

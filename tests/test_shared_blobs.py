@@ -197,6 +197,17 @@ def test_a_direct_put_reaches_the_store_without_the_server_and_any_server_serves
         # Again: the vault has it, nothing is uploaded.
         assert through_b.put_direct(source).created is False
 
+    # The same through the command.
+    other = tmp_path / "other.bin"
+    other.write_bytes(os.urandom(2 * 1024 * 1024))
+    put = a.run("put", "--direct", "--json", str(other))
+    put.ok()
+    assert put.json()["sha256"] == str(sha256_of(other.read_bytes()))
+    b.run("get", "--direct", put.json()["sha256"], "-o", str(tmp_path / "other.out")).ok()
+    assert (tmp_path / "other.out").read_bytes() == other.read_bytes()
+    refused = b.run("get", "--direct", put.json()["sha256"])
+    assert refused.returncode == 64 and "give -o PATH" in refused.stderr, refused.describe()
+
 
 def test_a_writer_cannot_slip_other_bytes_under_a_digest(pair: Pair, tmp_path: Path) -> None:
     a, _, _ = pair
