@@ -55,11 +55,14 @@ def cpu_seconds(vaults: list[VaultServer]) -> float:
 
 
 def queue_empty(vault: VaultServer, env: dict[str, str], blobs: int) -> bool:
+    """Every copy made: nothing queued, and `blobs` copies on each mirror's share."""
     status = vault.run(
         "mirror", "status", "--json", env={**env, "PINVAULT_DATA_DIR": str(vault.data_dir)}
     )
     rows = {row["name"]: row for row in status.json()}
-    return all(rows[n]["queued"] == 0 and rows[n]["objects"] >= blobs for n in NAMES)
+    replicas = int(env.get("PINVAULT_MIRRORS_REPLICAS", "3"))
+    copies = sum(rows[n]["objects"] for n in NAMES)
+    return all(rows[n]["queued"] == 0 for n in NAMES) and copies >= blobs * replicas
 
 
 def wait_for(condition: Callable[[], bool], timeout: float) -> float:
@@ -205,10 +208,10 @@ class Pairs:
         self.base, self.postgres, self.minio = base, postgres, minio
         self.made = 0
 
-    def fresh(self) -> AbstractContextManager[Pair]:
+    def fresh(self, **mirrors: str) -> AbstractContextManager[Pair]:
         self.made += 1
         database = self.postgres.create_database()
-        return started_pair(self.base / f"pair-{self.made}", database, self.minio)
+        return started_pair(self.base / f"pair-{self.made}", database, self.minio, **mirrors)
 
 
 def main() -> None:
@@ -216,6 +219,12 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--only",
+        choices=("all", "cpu", "clients"),
+        default="all",
+        help="measure only the CPU per GiB, or only the clients beside boto3",
+    )
     args = parser.parse_args()
     with (
         tempfile.TemporaryDirectory(prefix="pinvault-bench-shared-") as tmp_name,
@@ -225,41 +234,54 @@ def main() -> None:
         postgres = stack.enter_context(PostgresServer())
         minio = stack.enter_context(MinioServer())
         made = Pairs(tmp, postgres, minio)
-        with made.fresh() as pair:
-            served = put_then_get_elsewhere(pair, tmp, 20)
-        print(f"put through a, get through b at once: {served} of 20 served")
-        with made.fresh() as pair:
-            acknowledged, lost = killed_mid_put(pair, tmp)
-        print(f"server killed mid-put: {lost} of {acknowledged} acknowledged blobs lost")
-
         files = [make_file(tmp / f"file-{n}", args.size_mib * MIB) for n in range(args.clients)]
+        if args.only == "all":
+            lost_and_served(made, tmp)
+        if args.only in ("all", "cpu"):
+            cpu_per_gib(made, files)
+        if args.only in ("all", "clients"):
+            beside_boto3(made, minio, files, tmp, args.rounds, args.size_mib)
+
+
+def lost_and_served(made: Pairs, tmp: Path) -> None:
+    with made.fresh() as pair:
+        served = put_then_get_elsewhere(pair, tmp, 20)
+    print(f"put through a, get through b at once: {served} of 20 served")
+    with made.fresh() as pair:
+        acknowledged, lost = killed_mid_put(pair, tmp)
+    print(f"server killed mid-put: {lost} of {acknowledged} acknowledged blobs lost")
+
+
+def cpu_per_gib(made: Pairs, files: list[Path]) -> None:
+    for replicas in ("3", "1"):
         for mode in ("streamed", "direct"):
-            with made.fresh() as pair:
+            with made.fresh(replicas=replicas) as pair:
                 cpu, wall = stored_cpu(pair, files, direct=mode == "direct")
             print(
-                f"vault CPU per GiB stored with 3 copies, {mode}: {cpu:.2f} s ({wall:.1f} s wall)"
+                f"vault CPU per GiB stored with {replicas} copies, {mode}: {cpu:.2f} s "
+                f"({wall:.1f} s wall)"
             )
 
-        endpoints = [minio.create_bucket() for _ in range(3)]
-        gib = args.clients * args.size_mib / 1024
-        results: dict[str, list[float]] = {"boto3": [], "streamed": [], "direct": []}
-        for _ in range(args.rounds):
-            results["boto3"].append(boto3_straight(endpoints, files, tmp))
-            for mode in ("streamed", "direct"):
-                with made.fresh() as pair:
-                    results[mode].append(
-                        clients_through_two(pair, files, tmp, direct=mode == "direct")
-                    )
-        base = statistics.median(results["boto3"])
+
+def beside_boto3(
+    made: Pairs, minio: MinioServer, files: list[Path], tmp: Path, rounds: int, size_mib: int
+) -> None:
+    endpoints = [minio.create_bucket() for _ in range(3)]
+    gib = len(files) * size_mib / 1024
+    results: dict[str, list[float]] = {"boto3": [], "streamed": [], "direct": []}
+    for _ in range(rounds):
+        results["boto3"].append(boto3_straight(endpoints, files, tmp))
+        for mode in ("streamed", "direct"):
+            with made.fresh() as pair:
+                results[mode].append(clients_through_two(pair, files, tmp, direct=mode == "direct"))
+    base = statistics.median(results["boto3"])
+    print(f"{len(files)} clients x {size_mib} MiB, put then get, medians of {rounds}:")
+    for mode, seconds in results.items():
+        took = statistics.median(seconds)
         print(
-            f"{args.clients} clients x {args.size_mib} MiB, put then get, medians of {args.rounds}:"
+            f"  {mode:9} {took:6.2f} s  {2 * gib / took * 1024:7.1f} MiB/s  "
+            f"{base / took:.2f}x boto3"
         )
-        for mode, seconds in results.items():
-            took = statistics.median(seconds)
-            print(
-                f"  {mode:9} {took:6.2f} s  {2 * gib / took * 1024:7.1f} MiB/s  "
-                f"{base / took:.2f}x boto3"
-            )
 
 
 if __name__ == "__main__":

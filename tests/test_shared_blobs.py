@@ -45,11 +45,13 @@ Pair = tuple[VaultServer, VaultServer, dict[str, str]]
 
 
 @contextlib.contextmanager
-def started_pair(base: Path, database: str, minio: MinioServer) -> Iterator[Pair]:
-    """Servers a and b on `database`, with three buckets of `minio` as their mirrors; the
-    environment a host command on them needs is the third member."""
+def started_pair(base: Path, database: str, minio: MinioServer, **mirrors: str) -> Iterator[Pair]:
+    """Servers a and b on `database`, with three buckets of `minio` as their mirrors (with the
+    `mirrors` settings given); the environment a host command on them needs is the third
+    member."""
     buckets = [minio.create_bucket() for _ in NAMES]
-    env = {**mirror_env(buckets, claim_lease=LEASE), "PINVAULT_LEDGER_ORIGIN": ORIGIN}
+    settings = {"claim_lease": LEASE, **mirrors}
+    env = {**mirror_env(buckets, **settings), "PINVAULT_LEDGER_ORIGIN": ORIGIN}
     vaults: list[VaultServer] = []
     try:
         a = VaultServer(base / "a", database=database, env=env).start()
