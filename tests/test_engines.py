@@ -270,7 +270,8 @@ def test_two_servers_on_one_postgresql_keep_one_linear_ledger(
 def test_a_database_that_cannot_be_opened_is_one_line_from_serve(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/no-such-folder/vault.db"
     server = VaultServer(tmp_path, database=url)
-    with pytest.raises(RuntimeError, match="exited with 1"):
+    # EX_UNAVAILABLE: the database cannot be reached.
+    with pytest.raises(RuntimeError, match="exited with 69"):
         server.start()
     assert "Traceback" not in server.log()
     assert server.log().splitlines()[-1] == (

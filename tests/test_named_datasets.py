@@ -5,6 +5,7 @@ refused as ambiguous rather than resolved to whoever pinned last."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -151,5 +152,13 @@ def test_a_job_names_its_dataset_and_is_pinned_by_the_digest_it_resolves_to(
     again = vault.run(*admit, "--dataset", v1["digest"]).ok().json()
     assert (again["run_id"], again["new"]) == (admitted["run_id"], False)
 
-    unknown = vault.run(*admit, "--dataset", "imagenet@v2").error_line()
-    assert unknown == "vault: NOT_FOUND: no dataset is pinned under the name 'imagenet@v2'"
+    # With --json, the refusal is one JSON object, and the status says "not found".
+    unknown = vault.run(*admit, "--dataset", "imagenet@v2")
+    assert unknown.returncode == 66, unknown.describe()
+    assert json.loads(unknown.stderr) == {
+        "error": {
+            "kind": "not_found",
+            "message": "no dataset is pinned under the name 'imagenet@v2'",
+            "exit": 66,
+        }
+    }
