@@ -437,10 +437,11 @@ class ColdTier(Closing, BlobStore):
         # An object made of parts carries the SHA-256 of its parts' SHA-256s: only reading it
         # back says what it holds.
         if not upload_id and head.get("ChecksumSHA256") != b64(sha256.raw):
-            self._drop_upload(key)
+            # Refused, never deleted: the key may name another blob's data (a reader learns
+            # data keys from its presigned reads); an upload left behind is collected later.
             raise IntegrityError(
                 f"the object uploaded to {key} was not stored with {sha256} as its checksum: "
-                "refused and deleted"
+                "refused"
             )
         try:
             with self._s3.reading(f"reading {key}", MISSING):
@@ -454,10 +455,9 @@ class ColdTier(Closing, BlobStore):
         finally:
             body.close()
         if chunks.sha256 != sha256 or chunks.size != size:
-            self._drop_upload(key)
             raise IntegrityError(
                 f"the object uploaded to {key} is not {sha256}: its {chunks.size} bytes hash "
-                f"to {chunks.sha256}; refused and deleted"
+                f"to {chunks.sha256}; refused"
             )
         entries = [chunks.span(n)[1] for n in range(chunks.count)]
         created = self._put_index(
