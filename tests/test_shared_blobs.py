@@ -46,13 +46,19 @@ Pair = tuple[VaultServer, VaultServer, dict[str, str]]
 
 
 @contextlib.contextmanager
-def started_pair(base: Path, database: str, minio: MinioServer, **mirrors: str) -> Iterator[Pair]:
+def started_pair(
+    base: Path,
+    database: str,
+    minio: MinioServer,
+    server: dict[str, str] | None = None,
+    **mirrors: str,
+) -> Iterator[Pair]:
     """Servers a and b on `database`, with three buckets of `minio` as their mirrors (with the
     `mirrors` settings given); the environment a host command on them needs is the third
     member."""
     buckets = [minio.create_bucket() for _ in NAMES]
     settings = {"claim_lease": LEASE, **mirrors}
-    env = {**mirror_env(buckets, **settings), "PINVAULT_LEDGER_ORIGIN": ORIGIN}
+    env = {**mirror_env(buckets, **settings), "PINVAULT_LEDGER_ORIGIN": ORIGIN, **(server or {})}
     vaults: list[VaultServer] = []
     try:
         a = VaultServer(base / "a", database=database, env=env).start()
@@ -418,3 +424,36 @@ def test_a_direct_put_in_parts_cut_short_resumes_with_the_parts_missing(
         out = tmp_path / "out"
         client.get_direct(str(sha256_of(data)), out)
         assert out.read_bytes() == data
+
+
+def test_finishing_a_direct_put_counts_as_one_of_its_callers_streams(
+    tmp_path: Path, postgres_url: str, minio_server: MinioServer
+) -> None:
+    """Adopting an upload reads the whole blob back: it runs on the stream workers under the
+    caller's stream limit, not on the threads that answer look-ups."""
+    one = {"PINVAULT_SERVER_STREAMS_PER_CALLER": "1"}
+    with started_pair(tmp_path, postgres_url, minio_server, server=one) as (a, _, _):
+        data = os.urandom(8 * 1024 * 1024)
+        with a.client() as client:
+            digest = str(client.put(data, handoff=False).blob.sha256)
+        with grpc.insecure_channel(a.address) as channel:
+            store = rpc.StoreStub(channel)
+            small = sha256_of(b"x" * 10)
+            plan = store.DirectPut(pb.DirectPutRequest(sha256=str(small), size=10), timeout=30)
+            held = store.Get(pb.GetRequest(digest=digest), timeout=60)
+            next(held)  # the caller's one stream, open and not read
+            try:
+                with pytest.raises(grpc.RpcError) as refused:
+                    store.FinishDirectPut(
+                        pb.FinishDirectPutRequest(
+                            sha256=str(small), mirror=plan.mirror, key=plan.key
+                        ),
+                        timeout=30,
+                    )
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "streams open" in str(refused.value.details())
+                # Look-ups are answered all the while.
+                found = store.FindMissing(pb.FindMissingRequest(digests=[digest]), timeout=30)
+                assert list(found.missing) == []
+            finally:
+                held.cancel()

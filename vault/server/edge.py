@@ -94,6 +94,26 @@ def unary(method: Callable[..., Any]) -> Handler:
     return wrapper
 
 
+# Unary calls whose work moves a whole blob (reading an upload back takes as long as the blob
+# is large): they run on the stream workers and count as one of their caller's streams, so
+# that they cannot take the threads look-ups and other short calls are answered on.
+TRANSFER_CALLS: Final = frozenset({"Store.FinishDirectPut"})
+
+
+def transfer(method: Callable[..., Any]) -> Handler:
+    """A unary handler of TRANSFER_CALLS: `unary`, on the stream workers."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Service, request: Any, context: Any) -> Any:
+        try:
+            self.authorise(method.__name__, context)
+            return await _in_thread(TRANSFERS.get(), lambda: method(self, request))
+        except Exception as exc:
+            await abort(context, exc)
+
+    return wrapper
+
+
 def unary_async(method: Callable[..., Awaitable[Any]]) -> Handler:
     """An asyncio unary handler from a coroutine method `(self, request) -> response`."""
 

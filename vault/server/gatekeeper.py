@@ -24,6 +24,7 @@ from vault.errors import InvalidArgument, QuotaExceeded
 from vault.server.auth import CALLER, PERMISSIONS, Gate, Identity
 from vault.server.decoding import Undecodable, decoder, lenient
 from vault.server.edge import (
+    TRANSFER_CALLS,
     TRANSFERS,
     StreamIdle,
     Transfers,
@@ -149,7 +150,7 @@ class Gatekeeper(WrappingInterceptor):
         )
 
     def _guarded(self, rpc: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        streams = handler.request_streaming or handler.response_streaming
+        streams = handler.request_streaming or handler.response_streaming or rpc in TRANSFER_CALLS
         idle = self.limits.stream_idle_timeout
 
         async def enter(context: Any) -> str:
@@ -182,10 +183,13 @@ class Gatekeeper(WrappingInterceptor):
             unary_unary = handler.unary_unary
 
             async def unary_unary_local(request: Any, context: Any) -> Any:
-                await enter(context)
-                if isinstance(request, Undecodable):
-                    await abort(context, request.error)
-                return await unary_unary(request, context)
+                key = await enter(context)
+                try:
+                    if isinstance(request, Undecodable):
+                        await abort(context, request.error)
+                    return await unary_unary(request, context)
+                finally:
+                    await leave(key)
 
             options["request_deserializer"] = lenient(decode)
             return grpc.unary_unary_rpc_method_handler(unary_unary_local, **options)
@@ -193,13 +197,16 @@ class Gatekeeper(WrappingInterceptor):
             unary_unary = handler.unary_unary
 
             async def unary_unary_guarded(requests: Any, context: Any) -> Any:
-                await enter(context)
+                key = await enter(context)
                 try:
-                    request = await _read_one(context, idle)
-                    self.gate.permit_request(rpc, CALLER.get(), request)
-                except Exception as exc:
-                    await abort(context, exc)
-                return await unary_unary(request, context)
+                    try:
+                        request = await _read_one(context, idle)
+                        self.gate.permit_request(rpc, CALLER.get(), request)
+                    except Exception as exc:
+                        await abort(context, exc)
+                    return await unary_unary(request, context)
+                finally:
+                    await leave(key)
 
             return grpc.stream_unary_rpc_method_handler(unary_unary_guarded, **options)
         if handler.unary_stream is not None:

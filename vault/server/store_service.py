@@ -19,7 +19,15 @@ from vault.server.blob_audit import BlobAudit
 from vault.server.content import Content, StoredBlob
 from vault.server.damage import KnownDamage
 from vault.server.direct import EXPIRES_SECONDS, DirectTransfers, Planned
-from vault.server.edge import Service, abort, client_stream, stream, streaming, unary
+from vault.server.edge import (
+    Service,
+    abort,
+    client_stream,
+    stream,
+    streaming,
+    transfer,
+    unary,
+)
 from vault.server.ledger_service import entry_message
 from vault.store.chunks import CHUNK_SIZE
 from vault.store.handoff import Desk, Mode, read_handed_off, write_handed_off
@@ -301,7 +309,7 @@ class StoreService(Service, rpc.StoreServicer):
             parts_present=upload.present,
         )
 
-    @unary
+    @transfer
     def FinishDirectPut(self, request: pb.FinishDirectPutRequest) -> pb.PutResponse:
         blob, created = self.direct.finish_put(
             Digest.parse(request.sha256),
