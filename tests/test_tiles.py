@@ -285,6 +285,30 @@ def test_a_checkpoint_is_published_only_once_its_tiles_are_on_disk(
     assert vault.check(leaves=[0, 599]).status == 0
 
 
+def test_a_tile_made_from_the_tree_is_made_once_however_often_it_is_asked_for(
+    vault: Vault, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller asking again and again for a tile that is not on disk (of a size signed since
+    the tiles were written) makes the database read its entries once, not at every request."""
+    vault.grow(300)
+    vault.ledger.append([_pin(n) for n in range(300, 600)])
+    vault.ledger.checkpoint(600)
+    served = vault.ledger.served_tiles
+    assert served is not None
+    made: list[str] = []
+    render = served._render
+    monkeypatch.setattr(served, "_render", lambda tile: made.append(tile.path) or render(tile))
+    paths = ["tile/0/002.p/88", "tile/entries/002.p/88", "tile/1/000.p/2"]
+    assert not any((vault.tiles / path).exists() for path in paths)
+
+    first = {path: served.served_bytes(path) for path in paths}
+    for _ in range(50):
+        assert {path: served.served_bytes(path) for path in paths} == first
+
+    assert all(first.values())
+    assert sorted(made) == sorted(paths)
+
+
 def test_tiles_missing_for_checkpoints_signed_before_are_written_at_start(
     tmp_path: Path, verifier: Path
 ) -> None:

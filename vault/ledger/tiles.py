@@ -12,6 +12,7 @@ import secrets
 import shutil
 import stat
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -402,6 +403,10 @@ class TileStore:
 # Files whose check the tiles endpoint remembers, by path (a bound on what a caller can make
 # the server hold: past it the memory is cleared and files are checked again).
 CHECKED_FILES: Final = 1 << 16
+# Bytes of tiles made from the tree (not on disk) that the endpoint keeps to serve again: a tile
+# path names fixed bytes (a partial tile's path carries its width), so a caller asking again
+# costs no database read; the oldest made tile goes first past the bound.
+MADE_BYTES: Final = 16 << 20
 
 
 class ServedTiles:
@@ -441,6 +446,8 @@ class ServedTiles:
         self._checkpoint_matches = checkpoint_matches
         self._republish = republish
         self._checked: dict[str, tuple[int, int, int, int]] = {}
+        self._made_tiles: OrderedDict[str, bytes] = OrderedDict()
+        self._made_bytes = 0
         self._lock = threading.Lock()
         self.rewritten = 0
 
@@ -509,11 +516,25 @@ class ServedTiles:
         """A tile within the tree that is not on disk, made from the tree and the entries."""
         if tile is None or not self._within(tile):
             return None
+        with self._lock:
+            made = self._made_tiles.get(tile.path)
+            if made is not None:
+                self._made_tiles.move_to_end(tile.path)
+                return made
         try:
-            return self._render(tile)
+            made = self._render(tile)
         except (VerificationError, Unavailable) as exc:
             log.error("cannot make %s from the database: %s", tile.path, exc)
             return None
+        if made is not None and len(made) <= MADE_BYTES:
+            with self._lock:
+                if tile.path not in self._made_tiles:
+                    self._made_tiles[tile.path] = made
+                    self._made_bytes += len(made)
+                while self._made_bytes > MADE_BYTES:
+                    _, dropped = self._made_tiles.popitem(last=False)
+                    self._made_bytes -= len(dropped)
+        return made
 
     def _within(self, tile: Tile) -> bool:
         height = TILE_HEIGHT * max(tile.level, 0)
