@@ -560,6 +560,12 @@ def build_parser(*, lazy_commands: bool = False) -> argparse.ArgumentParser:
     add_tier_commands(sub)
     add_run_commands(sub, _client)
     add_access_commands(sub, _client, create_token_offline)
+    add_command(
+        sub,
+        "bundle",
+        _bundle_arguments,
+        help="write a run's, a dataset's or an entry's proof bundle; verify one with no vault",
+    )
     # The two servers of the scheduler's side: their modules load only when they run.
     add_command(
         sub,
@@ -580,6 +586,12 @@ def _agent_arguments(p: argparse.ArgumentParser) -> None:
     from cli.agent import agent_arguments
 
     agent_arguments(p, connect=_client)
+
+
+def _bundle_arguments(p: argparse.ArgumentParser) -> None:
+    from cli.bundle import bundle_arguments
+
+    bundle_arguments(p, _client)
 
 
 def _webhook_arguments(p: argparse.ArgumentParser) -> None:

@@ -347,6 +347,274 @@ async function verifyAnswer(answer, asked) {
   return result;
 }
 
+// ------------------------------------------------------------------ proof bundles
+
+// A proof bundle (docs/bundle.md) opened from a file: every check `vault bundle verify` makes,
+// made here with no vault. Its result has the shape of `verifyAnswer`'s, so that the same
+// views show it.
+const BUNDLE_TYPE = "application/vnd.pinvault.bundle.v1+json";
+
+function bundleReplicateScript(manifest) {
+  return `#!/bin/sh\nexec vault replay ${manifest} "$@"\n`;
+}
+
+// A witness's cosignature/v1 key: name+hex key id+base64(0x04 || Ed25519 public key).
+async function parseWitnessKey(text) {
+  const match = /^([^+\s]+)\+([0-9a-f]{8})\+([A-Za-z0-9+/=]+)$/.exec(String(text));
+  if (!match) throw new Error(`witness key ${String(text).slice(0, 80)} is not name+keyid+key`);
+  const [, name, keyId, encoded] = match;
+  const raw = b64decode(encoded);
+  if (raw.length !== 33 || raw[0] !== 4) throw new Error(`witness key ${name} is not a cosignature/v1 key`);
+  const id = (await sha256(concat(enc.encode(name + "\n"), raw))).slice(0, 4);
+  if (hex(id) !== keyId) throw new Error(`witness key ${name}'s id does not match its key`);
+  return { text, name, id, label: `${name}+${keyId}`, publicKey: raw.slice(1) };
+}
+
+// The cosignature by `witness` on the signed note `note`, checked; an error if there is none
+// or it does not verify.
+async function checkCosignature(note, witness) {
+  const split = note.lastIndexOf("\n\n");
+  const body = note.slice(0, split + 1);
+  for (const line of note.slice(split + 2, -1).split("\n")) {
+    const match = /^\u2014 (\S+) ([A-Za-z0-9+/=]+)$/.exec(line);
+    if (!match || match[1] !== witness.name) continue;
+    const raw = b64decode(match[2]);
+    if (raw.length < 4 || !equal(raw.slice(0, 4), witness.id)) continue;
+    if (raw.length !== 4 + 8 + 64) throw new Error(`the cosignature by witness ${witness.label} is malformed`);
+    const time = new DataView(raw.buffer, raw.byteOffset + 4, 8).getBigUint64(0);
+    const message = enc.encode(`cosignature/v1\ntime ${time}\n${body}`);
+    const publicKey = await crypto.subtle.importKey("raw", witness.publicKey, { name: "Ed25519" }, false, ["verify"]);
+    if (!(await crypto.subtle.verify({ name: "Ed25519" }, publicKey, raw.slice(12), message))) {
+      throw new Error(`the cosignature by witness ${witness.label} does not verify`);
+    }
+    return;
+  }
+  throw new Error(`the signed tree head carries no cosignature by witness ${witness.label}`);
+}
+
+function exactFields(what, value, fields) {
+  if (value === null || typeof value !== "object" || Array.isArray(value)) throw new Error(`${what} is not an object`);
+  for (const key of Object.keys(value)) if (!fields.includes(key)) throw new Error(`${what} has an unknown field ${key}`);
+  for (const key of fields) if (!(key in value)) throw new Error(`${what} has no ${key}`);
+  return value;
+}
+
+async function verifyBundle(bundle) {
+  const failures = [];
+  const result = {
+    failures, entries: [], named: [], blobs: {}, missing: {}, checkpoint: null, key: null,
+    cosigned: [], documents: [], subject: null,
+  };
+  if (bundle === null || typeof bundle !== "object" || typeof bundle.mediaType !== "string") {
+    throw new Error(`it has no mediaType ${BUNDLE_TYPE}`);
+  }
+  const version = /^application\/vnd\.pinvault\.bundle\.v([0-9]+)\+json$/.exec(bundle.mediaType);
+  if (!version) throw new Error(`its mediaType is not ${BUNDLE_TYPE}`);
+  if (version[1] !== "1") throw new Error(`bundle format version ${version[1]} is not supported: this page reads version 1`);
+  exactFields("the bundle", bundle, ["mediaType", "subject", "verificationMaterial", "tlogEntries", "documents"]);
+  const material = exactFields("verificationMaterial", bundle.verificationMaterial, ["verifierKey", "witnessKeys", "checkpoint"]);
+  const subject = bundle.subject;
+  if (subject === null || typeof subject !== "object" || !["run", "digest", "entry"].includes(subject.type)) {
+    throw new Error("its subject is not a run, a digest or an entry");
+  }
+  exactFields("subject", subject, subject.type === "entry" ? ["type", "index"] : ["type", "digest"]);
+  result.subject = subject;
+  if (!Array.isArray(bundle.tlogEntries) || !Array.isArray(material.witnessKeys)) {
+    throw new Error("its entries or witness keys are not a list");
+  }
+  const note = String(material.checkpoint);
+  const pinned = settings.pinnedKey();
+  result.keyFromBundle = !pinned;
+  try {
+    result.key = await parseVerifierKey(pinned || String(material.verifierKey));
+    result.checkpoint = await openCheckpoint(note, result.key);
+  } catch (error) {
+    failures.push(`signed tree head: ${error.message}`);
+  }
+  for (const text of material.witnessKeys) {
+    try {
+      const witness = await parseWitnessKey(text);
+      await checkCosignature(note, witness);
+      result.cosigned.push(witness.label);
+    } catch (error) {
+      failures.push(`signed tree head: ${error.message}`);
+    }
+  }
+  let last = -1;
+  for (const item of bundle.tlogEntries) {
+    exactFields("an entry of the bundle", item, ["logIndex", "canonicalizedBody", "inclusionProof"]);
+    const shown = { index: item.logIndex, ok: false, problem: "", entry: null };
+    result.entries.push(shown);
+    try {
+      if (!Number.isSafeInteger(item.logIndex) || item.logIndex <= last) {
+        throw new Error("entries are not listed once each, by increasing index");
+      }
+      last = item.logIndex;
+      const body = b64decode(item.canonicalizedBody);
+      shown.leaf = await leafHash(body);
+      shown.proof = item.inclusionProof.map(b64decode);
+      if (!result.checkpoint) throw new Error("no verified signed tree head to check it against");
+      shown.root = await rootFromInclusionProof(item.logIndex, result.checkpoint.size, shown.leaf, shown.proof);
+      if (shown.root === null || !equal(shown.root, result.checkpoint.root)) {
+        throw new Error(`it is not proven in the signed tree head of size ${result.checkpoint.size}: ` +
+          "its inclusion proof leads to another root (the entry's bytes or its proof were altered)");
+      }
+      const entry = parseCanonical(`entry ${item.logIndex}`, body);
+      if (entry === null || typeof entry !== "object" || !Array.isArray(entry.subjects) ||
+          entry.meta === null || typeof entry.meta !== "object") {
+        throw new Error("its body is not an entry");
+      }
+      shown.entry = entry;
+      if (entry.index !== item.logIndex) throw new Error(`its body says index ${entry.index}`);
+      if (subject.type === "entry" ? entry.index !== subject.index : !entry.subjects.includes(subject.digest)) {
+        throw new Error(`it is not about ${subject.type} ${subject.type === "entry" ? subject.index : subject.digest}`);
+      }
+      shown.ok = true;
+    } catch (error) {
+      shown.problem = error.message;
+      failures.push(`entry ${item.logIndex}: ${error.message}`);
+    }
+  }
+  if (!result.entries.length) failures.push("the bundle holds no entry");
+  if (failures.length) return result;
+  try {
+    await checkBundleDocuments(bundle, result);
+  } catch (error) {
+    failures.push(error.message);
+  }
+  return result;
+}
+
+async function checkBundleDocuments(bundle, result) {
+  const subject = bundle.subject;
+  const documents = bundle.documents;
+  if (documents === null || typeof documents !== "object" || Array.isArray(documents)) {
+    throw new Error("its documents are not an object");
+  }
+  const bytes = {};
+  for (const [role, text] of Object.entries(documents)) bytes[role] = b64decode(text);
+  const digestOf = async (data) => "sha256:" + hex(await sha256(data));
+  const entries = result.entries.map((s) => s.entry);
+  const allowed = subject.type === "run" ? ["runInputs", "runManifest", "replicateScript"]
+    : subject.type === "digest" ? ["datasetManifest"] : [];
+  for (const role of Object.keys(bytes)) {
+    if (!allowed.includes(role)) throw new Error(`a bundle of ${subject.type} holds a ${role} document`);
+  }
+  if (subject.type === "digest" && bytes.datasetManifest) {
+    const got = await digestOf(bytes.datasetManifest);
+    if (got !== subject.digest) throw new Error(`the dataset manifest hashes to ${got}, not to ${subject.digest}: it was altered`);
+    result.blobs[subject.digest] = bytes.datasetManifest;
+    result.documents.push("dataset manifest");
+  }
+  if (subject.type !== "run") return;
+  const runId = subject.digest;
+  if (!bytes.runInputs) throw new Error(`the bundle of run ${runId} has no inputs document`);
+  const inputsDigest = await digestOf(bytes.runInputs);
+  if (inputsDigest !== runId) {
+    throw new Error(`the run inputs document hashes to ${inputsDigest}, not to the run id ${runId}: it was altered`);
+  }
+  const inputs = parseCanonical("the run inputs document", bytes.runInputs);
+  const admission = entries.find((e) => e.kind === "run" && e.meta.stage === "admitted" && e.subjects[0] === runId);
+  if (!admission) throw new Error(`the bundle holds no admission entry of run ${runId}`);
+  const named = [inputs.image, inputs.dataset, ...(inputs.config !== undefined ? [inputs.config] : [])];
+  if (canonical(admission.subjects.slice(1)) !== canonical(named) || admission.meta.seed !== inputs.seed) {
+    throw new Error(`run ${runId}'s admission entry ${admission.index} is not of the inputs document`);
+  }
+  result.blobs[runId] = bytes.runInputs;
+  result.documents.push("inputs document");
+  if (!bytes.runManifest) {
+    if (bytes.replicateScript) throw new Error("the bundle holds a replicate.sh but no run manifest");
+    return;
+  }
+  const digest = await digestOf(bytes.runManifest);
+  const team = String(admission.meta.team || "");
+  const sealed = entries.filter((e) => e.kind === "run" && e.meta.stage === "manifest" &&
+    e.subjects[0] === digest && e.subjects.slice(1).includes(runId));
+  if (!sealed.length) {
+    throw new Error(`the run manifest hashes to ${digest}, which no entry of the bundle pins as run ${runId}'s manifest: it was altered`);
+  }
+  if (!team || !sealed.some((e) => e.meta.team === team)) {
+    throw new Error(`run manifest ${digest} was not sealed by team ${team || "none"}, which the run was admitted for`);
+  }
+  const manifest = parseCanonical(`run manifest ${digest}`, bytes.runManifest);
+  if (manifest.type !== "pinvault.run-manifest" || manifest.v !== 1 || manifest.run !== runId ||
+      !equal(enc.encode(canonical(manifest.inputs)), bytes.runInputs)) {
+    throw new Error(`run manifest ${digest} is not a manifest of run ${runId} and its inputs`);
+  }
+  const pinned = new Set(entries.filter((e) => e.subjects.length === 2 && e.subjects[1] === runId)
+    .map((e) => `${e.kind} ${e.subjects[0]}`));
+  for (const o of manifest.outputs || []) {
+    if (!pinned.has(`artefact ${o.sha256}`)) throw new Error(`run manifest ${digest} lists output ${o.sha256}, which no artefact entry of the bundle pins for the run`);
+  }
+  for (const c of manifest.checkpoints || []) {
+    if (!pinned.has(`checkpoint ${c.manifest}`)) throw new Error(`run manifest ${digest} lists checkpoint ${c.manifest}, which no checkpoint entry of the bundle pins for the run`);
+  }
+  result.blobs[digest] = bytes.runManifest;
+  result.documents.push("run manifest");
+  if (bytes.replicateScript) {
+    if (!equal(bytes.replicateScript, enc.encode(bundleReplicateScript(digest)))) {
+      throw new Error(`replicate.sh is not the script that replays run manifest ${digest}: it was altered`);
+    }
+    result.documents.push("replicate.sh");
+  }
+}
+
+function showBundleVerdict(checked, file) {
+  const node = $("verdict");
+  node.hidden = false;
+  if (checked.failures.length) {
+    node.className = "failed";
+    node.dataset.state = "failed";
+    node.replaceChildren(
+      el("div", { text: `Verification FAILED: proof bundle ${file} is not what the vault signed. Nothing of it is shown.` }),
+      el("ul", {}, ...checked.failures.map((f) => el("li", { text: f }))));
+    return;
+  }
+  const cp = checked.checkpoint;
+  const subject = checked.subject;
+  const what = subject.type === "entry" ? `entry #${subject.index}` : `${subject.type} ${subject.digest}`;
+  const lines = [
+    `Proof bundle ${file}, of ${what}: inclusion of ${checked.entries.length} ` +
+      `${checked.entries.length === 1 ? "entry" : "entries"} in the signed tree head of ${cp.origin}, size ` +
+      `${cp.size} (root ${b64encode(cp.root)}), verified in this browser with no vault.`,
+    `Signed tree head's Ed25519 signature verified with key ${checked.key.text}` +
+      (checked.keyFromBundle
+        ? ": a key taken from the bundle itself, which shows only that the bundle is consistent; set the vault's expected key to anchor it."
+        : " (the expected key set here)."),
+  ];
+  if (checked.cosigned.length) {
+    lines.push(`Cosigned by witness ${checked.cosigned.join(", ")} (keys from the bundle).`);
+  }
+  if (checked.documents.length) lines.push(`Documents checked: ${checked.documents.join(", ")}.`);
+  lines.push("A bundle proves that what it holds is in the ledger; it cannot show that nothing was left out.");
+  node.className = "verified";
+  node.dataset.state = "verified";
+  node.replaceChildren(el("div", { text: "Verified" }), el("ul", {}, ...lines.map((l) => el("li", { text: l }))));
+}
+
+async function openBundle(file) {
+  ++searches;
+  clear();
+  status(`Verifying proof bundle ${file.name} …`);
+  let checked;
+  try {
+    const bytes = new Uint8Array(await file.arrayBuffer());
+    checked = await verifyBundle(JSON.parse(strictUtf8.decode(bytes)));
+  } catch (error) {
+    checked = { failures: [`the file is not a proof bundle: ${error.message}`], entries: [] };
+  }
+  showBundleVerdict(checked, file.name);
+  status("");
+  if (checked.failures.length) return;
+  names = new Map();
+  for (const { entry } of checked.entries) {
+    const name = nameOf(entry);
+    if (name && entry.subjects.length && !names.has(entry.subjects[0])) names.set(entry.subjects[0], name);
+  }
+  showEntries(checked, "Entries in the proof bundle");
+  if (checked.subject.type !== "entry") $("view").replaceChildren(...viewOf(checked, checked.subject.digest));
+}
+
 // ------------------------------------------------------------------ the page
 
 const $ = (id) => document.getElementById(id);
@@ -786,6 +1054,11 @@ function searchFromFragment() {
 async function refresh() {
   $("pinned-key").value = settings.pinnedKey();
   $("token").value = settings.token();
+  if (location.protocol === "file:") {
+    // The page opened from a copy of its files: no vault to ask, bundles only.
+    status("Opened from a file, with no vault: open a proof bundle to verify it here.");
+    return;
+  }
   try {
     const vault = await api("/api/vault");
     $("vault-key").textContent = String(vault.verifier);
@@ -804,6 +1077,10 @@ document.addEventListener("DOMContentLoaded", () => {
     go($("search").value);
   });
   $("recent").addEventListener("click", () => go("recent"));
+  $("bundle-file").addEventListener("change", () => {
+    const file = $("bundle-file").files[0];
+    if (file) openBundle(file);
+  });
   $("settings-form").addEventListener("submit", (event) => {
     event.preventDefault();
     settings.save();
