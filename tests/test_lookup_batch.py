@@ -321,6 +321,22 @@ def test_a_malformed_digest_in_a_batch_is_named(restarted: Restarted) -> None:
         ledger = rpc.LedgerStub(channel)
         with pytest.raises(grpc.RpcError) as caught:
             ledger.LookupBatch(pb.LookupBatchRequest(digests=[*KEPT[:3], "sha256:XYZ"]))
-    error: Any = caught.value
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "'sha256:XYZ'" in error.details() and "\n" not in error.details()
+        error: Any = caught.value
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'sha256:XYZ'" in error.details() and "\n" not in error.details()
+        # A batch of sha256 digests is checked as a whole, one a line: digests that hold line
+        # breaks or capitals are refused all the same, whatever the lines they make together.
+        for bad in (
+            [KEPT[0] + "\n" + KEPT[1], KEPT[2]],
+            [KEPT[0] + "\n" + KEPT[1], ""],
+            [KEPT[0], KEPT[1].upper()],
+            [KEPT[0], KEPT[1] + "\n"],
+        ):
+            with pytest.raises(grpc.RpcError) as caught:
+                ledger.LookupBatch(pb.LookupBatchRequest(digests=bad))
+            error = caught.value
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+            assert "\n" not in error.details(), error.details()
+        # The same digest twice is answered twice.
+        twice = ledger.LookupBatch(pb.LookupBatchRequest(digests=[KEPT[5], KEPT[5], ABSENT]))
+        assert [[e.entry.index for e in r.entries] for r in twice.results] == [[5], [5], []]

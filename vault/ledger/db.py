@@ -4,6 +4,7 @@ write to the ledger but an append."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -272,21 +273,6 @@ class Database:
             self._drop(conn)
             raise
 
-    def snapshot(self, queries: Sequence[tuple[str, Sequence[Any]]]) -> list[list[tuple[Any, ...]]]:
-        """Several queries (`?` placeholders) read in one SQLite transaction: one moment of
-        the database, whatever commits meanwhile."""
-        assert self.is_sqlite, "snapshots of several queries are read on SQLite only"
-        conn = self._connection()
-        try:
-            conn.driver.execute("BEGIN")
-            try:
-                return [conn.driver.execute(sql, params).fetchall() for sql, params in queries]
-            finally:
-                conn.driver.execute("COMMIT")
-        except Exception:
-            self._drop(conn)
-            raise
-
     def naming_queries(
         self,
         columns: str,
@@ -344,7 +330,7 @@ class Database:
         """Which entries name a digest (see `vault.ledger.subject_index`); SQLite only."""
         index: SubjectIndex | None = self._subjects[0] if self._subjects else None
         if index is None:
-            index = SubjectIndex(self.snapshot, database_path(self.url))
+            index = SubjectIndex(self.fetch, database_path(self.url))
             self._subjects[:] = [index]
         return index
 
@@ -390,6 +376,8 @@ def listing(
     return query.order_by(e.c.idx).limit(limit)
 
 
+# A look-up builds the same few statements again and again (one digest, a few entries): kept.
+@functools.lru_cache(maxsize=64)
 def naming_by_index(columns: str, keys: int, where: str, indexes: int) -> str:
     """On SQLite, `columns` of the entries among `indexes` (given by the subject index) whose
     subject rows name one of `keys` (bound first, then the indexes, then `where`'s values).

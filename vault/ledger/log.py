@@ -765,17 +765,25 @@ class Ledger:
     def entries_for(self, digests: Iterable[str]) -> dict[str, list[StoredEntry]]:
         """Entries naming each digest, in index order."""
         wanted = list(dict.fromkeys(digests))
-        found: dict[str, list[StoredEntry]] = {d: [] for d in wanted}
+        by_key = self.entries_by_key([digest_key(d) for d in wanted])
+        return {d: [StoredEntry(i, body) for i, body in by_key[digest_key(d)]] for d in wanted}
+
+    def entries_by_key(self, keys: Sequence[bytes]) -> dict[bytes, list[tuple[int, bytes]]]:
+        """The index and body of each entry naming each of `keys` (raw digest keys, as
+        `digest_key` gives them), in index order: `entries_for` for a caller that has the keys
+        already, without an object an entry (a batch look-up reads thousands)."""
+        found: dict[bytes, list[tuple[int, bytes]]] = {key: [] for key in keys}
+        wanted = list(found)
         for start in range(0, len(wanted), QUERY_BATCH):
-            # Each row's stored key back to the digest asked for by a lookup, not by decoding
-            # it; rows of the entries' subjects not asked for in this statement are left here
-            # (see `Database.naming`).
-            part = {digest_key(d): found[d] for d in wanted[start : start + QUERY_BATCH]}
-            rows = self.db.naming("s.digest, e.idx, e.body", list(part), every_subject=True)
+            # Rows of the entries' subjects not asked for in this statement are left here (see
+            # `Database.naming`).
+            part = wanted[start : start + QUERY_BATCH]
+            get = found.get if len(part) == len(wanted) else {k: found[k] for k in part}.get
+            rows = self.db.naming("s.digest, e.idx, e.body", part, every_subject=True)
             for key, idx, body in rows:
-                entries = part.get(bytes(key))
+                entries = get(key if type(key) is bytes else bytes(key))
                 if entries is not None:
-                    entries.append(StoredEntry(idx, bytes(body)))
+                    entries.append((idx, body if type(body) is bytes else bytes(body)))
         return found
 
     def pins_of_kind(self, digest: str, kind: str) -> list[tuple[StoredEntry, bool]]:

@@ -27,6 +27,7 @@ PostgreSQL keeps its one B-tree keyed by digest: its cache is the server's to si
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sqlite3
@@ -104,19 +105,24 @@ def _open_run(path: Path) -> sqlite3.Connection:
     return conn
 
 
+@functools.lru_cache(maxsize=64)
 def index_queries(keys: int, limit: int | None = None) -> tuple[str, str]:
-    """A look-up's queries of `subject_recent` and of a run: the indexes of the entries naming
-    any of `keys` digests, the first `limit` only if given."""
+    """A look-up's queries: of `subject_recent` with `subject_runs`, and of a run. The first
+    gives the indexes of the entries its rows say name any of `keys` digests (the first
+    `limit` only, if given), as `(idx, NULL)` rows, and the names of the runs, as `(NULL,
+    name)` rows: one statement, so one moment of the database, without a transaction of its
+    own around it. The second gives a run's indexes for the same digests."""
     marks = ",".join("?" * keys)
     tail = "" if limit is None else f" ORDER BY idx LIMIT {int(limit)}"
     return (
-        f"SELECT idx FROM subject_recent WHERE digest IN ({marks}){tail}",
+        f"SELECT idx, NULL FROM (SELECT idx FROM subject_recent WHERE digest IN ({marks}){tail}) "
+        "UNION ALL SELECT NULL, name FROM subject_runs",
         f"SELECT idx FROM run WHERE digest IN ({marks}){tail}",
     )
 
 
-# Several queries (`?` placeholders) read in one transaction: each one's rows.
-Snapshot = Callable[[Sequence[tuple[str, Sequence[Any]]]], list[list[tuple[Any, ...]]]]
+# One query (`?` placeholders) run on a thread's read connection: its rows.
+Fetch = Callable[[str, Sequence[Any]], list[tuple[Any, ...]]]
 
 
 class _Gone(Exception):
@@ -144,8 +150,8 @@ class SubjectIndex:
     """The look-up side: the indexes of the entries that name digests. Each thread keeps its
     own connections to the runs it has read."""
 
-    def __init__(self, fetch_snapshot: Snapshot, database: str | None) -> None:
-        self._snapshot = fetch_snapshot
+    def __init__(self, fetch: Fetch, database: str | None) -> None:
+        self._fetch = fetch
         self._folder = runs_folder(database) if database is not None else None
         self._local = threading.local()
 
@@ -156,11 +162,9 @@ class SubjectIndex:
             return []
         recent_sql, run_sql = index_queries(len(keys), limit)
         for _ in range(_ATTEMPTS):
-            recent, runs = self._snapshot(
-                [(recent_sql, list(keys)), ("SELECT name FROM subject_runs", [])]
-            )
-            found = [index for (index,) in recent]
-            names = [str(name) for (name,) in runs]
+            rows = self._fetch(recent_sql, keys)
+            found = [index for index, name in rows if name is None]
+            names = [str(name) for index, name in rows if name is not None]
             try:
                 for name in names:
                     found += [index for (index,) in self._run(name).execute(run_sql, keys)]
