@@ -4,7 +4,11 @@ per GiB stored with three copies (bytes streamed through the vault, and sent str
 object store), and four clients moving 256 MiB each through the two servers beside boto3
 straight to the same MinIO, in the same run.
 
-    uv run python -m bench.shared [--size-mib 256] [--clients 4]
+    uv run python -m bench.shared [--size-mib 256] [--clients 4] [--rounds 3]
+        [--only all|cpu|clients] [--modes streamed,direct-one,direct]
+
+Modes: `streamed` through the vault; `direct-one`, straight to one mirror, the vault's queue
+making the other copies; `direct`, straight to every mirror the blob is kept on.
 
 Needs what the tests need (PostgreSQL, MinIO: scripts/test builds them)."""
 
@@ -27,9 +31,11 @@ from tests.services.vault_server import VaultServer
 from tests.test_mirror import NAMES
 from tests.test_shared_blobs import Pair, started_pair
 from vault.client import VaultClient
+from vault.client.direct import put_direct
 from vault.errors import VaultError
 
 MIB = 1 << 20
+MODES = ("streamed", "direct-one", "direct")
 
 
 def cpu_seconds(vaults: list[VaultServer]) -> float:
@@ -122,7 +128,15 @@ def killed_mid_put(pair: Pair, tmp: Path) -> tuple[int, int]:
     return len(acknowledged), lost
 
 
-def stored_cpu(pair: Pair, files: list[Path], *, direct: bool) -> tuple[float, float]:
+def put_by(client: VaultClient, path: Path, mode: str) -> str:
+    """Put a file the way `mode` says; its digest."""
+    if mode == "streamed":
+        return str(client.put(path, handoff=False).blob.sha256)
+    copies = 1 if mode == "direct-one" else None
+    return str(put_direct(client.store, client.timeout, path, copies=copies).blob.sha256)
+
+
+def stored_cpu(pair: Pair, files: list[Path], *, mode: str) -> tuple[float, float]:
     """CPU seconds of both servers per GiB stored with three copies (beyond what they spend
     idle), and the wall time."""
     a, b, env = pair
@@ -134,10 +148,7 @@ def stored_cpu(pair: Pair, files: list[Path], *, direct: bool) -> tuple[float, f
     started = time.monotonic()
     with a.client() as client:
         for path in files:
-            if direct:
-                client.put_direct(path)
-            else:
-                client.put(path, handoff=False)
+            put_by(client, path, mode)
     count = len(files)
     wait_for(lambda: queue_empty(b, env, count), 600)
     wall = time.monotonic() - started
@@ -145,7 +156,7 @@ def stored_cpu(pair: Pair, files: list[Path], *, direct: bool) -> tuple[float, f
     return (cpu_seconds([a, b]) - before - idle_rate * wall) / gib, wall
 
 
-def clients_through_two(pair: Pair, files: list[Path], tmp: Path, *, direct: bool) -> float:
+def clients_through_two(pair: Pair, files: list[Path], tmp: Path, *, mode: str) -> float:
     """Seconds for each client to put its file through one of the two servers, then get it
     back through the other."""
     a, b, _ = pair
@@ -157,13 +168,12 @@ def clients_through_two(pair: Pair, files: list[Path], tmp: Path, *, direct: boo
             VaultClient(other.address, timeout=600) as get_from,
         ):
             path = files[n]
-            out = tmp / f"got-{n}-{direct}"
-            if direct:
-                digest = str(put_to.put_direct(path).blob.sha256)
-                get_from.get_direct(digest, out)
-            else:
-                digest = str(put_to.put(path, handoff=False).blob.sha256)
+            out = tmp / f"got-{n}-{mode}"
+            digest = put_by(put_to, path, mode)
+            if mode == "streamed":
                 get_from.get(digest, out, handoff=False)
+            else:
+                get_from.get_direct(digest, out)
             out.unlink()
 
     return timed_threads(client, len(files))
@@ -211,14 +221,22 @@ class Pairs:
     def fresh(self, **mirrors: str) -> AbstractContextManager[Pair]:
         self.made += 1
         database = self.postgres.create_database()
-        return started_pair(self.base / f"pair-{self.made}", database, self.minio, **mirrors)
+        return started_pair(self.base / f"pair-{self.made}", database, self.minio, None, **mirrors)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated, of {', '.join(MODES)}",
+    )
+    parser.add_argument(
+        "--replicas", default="3,1", help="comma-separated copies to measure the CPU for"
+    )
     parser.add_argument(
         "--only",
         choices=("all", "cpu", "clients"),
@@ -226,6 +244,11 @@ def main() -> None:
         help="measure only the CPU per GiB, or only the clients beside boto3",
     )
     args = parser.parse_args()
+    modes = [mode for mode in args.modes.split(",") if mode]
+    if not modes or any(mode not in MODES for mode in modes):
+        parser.error(f"--modes takes some of {', '.join(MODES)}, not {args.modes!r}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     with (
         tempfile.TemporaryDirectory(prefix="pinvault-bench-shared-") as tmp_name,
         ExitStack() as stack,
@@ -238,9 +261,9 @@ def main() -> None:
         if args.only == "all":
             lost_and_served(made, tmp)
         if args.only in ("all", "cpu"):
-            cpu_per_gib(made, files)
+            cpu_per_gib(made, files, modes, args.replicas.split(","), args.rounds)
         if args.only in ("all", "clients"):
-            beside_boto3(made, minio, files, tmp, args.rounds, args.size_mib)
+            beside_boto3(made, minio, files, tmp, modes, args.rounds, args.size_mib)
 
 
 def lost_and_served(made: Pairs, tmp: Path) -> None:
@@ -252,35 +275,53 @@ def lost_and_served(made: Pairs, tmp: Path) -> None:
     print(f"server killed mid-put: {lost} of {acknowledged} acknowledged blobs lost")
 
 
-def cpu_per_gib(made: Pairs, files: list[Path]) -> None:
-    for replicas in ("3", "1"):
-        for mode in ("streamed", "direct"):
-            with made.fresh(replicas=replicas) as pair:
-                cpu, wall = stored_cpu(pair, files, direct=mode == "direct")
-            print(
-                f"vault CPU per GiB stored with {replicas} copies, {mode}: {cpu:.2f} s "
-                f"({wall:.1f} s wall)"
-            )
+def cpu_per_gib(
+    made: Pairs, files: list[Path], modes: list[str], replicas: list[str], rounds: int
+) -> None:
+    for copies in replicas:
+        results: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
+        # Rounds interleave the modes, so that a load elsewhere on the host falls on each.
+        for _ in range(rounds):
+            for mode in modes:
+                with made.fresh(replicas=copies) as pair:
+                    results[mode].append(stored_cpu(pair, files, mode=mode))
+                cpu, wall = results[mode][-1]
+                print(f"  {mode}: {cpu:.2f} s per GiB ({wall:.1f} s wall)", flush=True)
+        print(f"vault CPU per GiB stored with {copies} copies, medians of {rounds}:")
+        for mode, measured in results.items():
+            cpu = statistics.median(c for c, _ in measured)
+            wall = statistics.median(w for _, w in measured)
+            each = " ".join(f"{c:.2f}" for c, _ in measured)
+            print(f"  {mode:10} {cpu:6.2f} s  ({wall:.1f} s wall; rounds: {each})")
 
 
 def beside_boto3(
-    made: Pairs, minio: MinioServer, files: list[Path], tmp: Path, rounds: int, size_mib: int
+    made: Pairs,
+    minio: MinioServer,
+    files: list[Path],
+    tmp: Path,
+    modes: list[str],
+    rounds: int,
+    size_mib: int,
 ) -> None:
     endpoints = [minio.create_bucket() for _ in range(3)]
     gib = len(files) * size_mib / 1024
-    results: dict[str, list[float]] = {"boto3": [], "streamed": [], "direct": []}
-    for _ in range(rounds):
+    results: dict[str, list[float]] = {"boto3": [], **{mode: [] for mode in modes}}
+    for number in range(1, rounds + 1):
         results["boto3"].append(boto3_straight(endpoints, files, tmp))
-        for mode in ("streamed", "direct"):
+        for mode in modes:
             with made.fresh() as pair:
-                results[mode].append(clients_through_two(pair, files, tmp, direct=mode == "direct"))
+                results[mode].append(clients_through_two(pair, files, tmp, mode=mode))
+        line = ", ".join(f"{mode} {seconds[-1]:.2f} s" for mode, seconds in results.items())
+        print(f"  round {number}: {line}", flush=True)
     base = statistics.median(results["boto3"])
     print(f"{len(files)} clients x {size_mib} MiB, put then get, medians of {rounds}:")
     for mode, seconds in results.items():
         took = statistics.median(seconds)
+        ratios = " ".join(f"{base / s:.2f}" for s in seconds)
         print(
-            f"  {mode:9} {took:6.2f} s  {2 * gib / took * 1024:7.1f} MiB/s  "
-            f"{base / took:.2f}x boto3"
+            f"  {mode:10} {took:6.2f} s  {2 * gib / took * 1024:7.1f} MiB/s  "
+            f"{base / took:.2f}x boto3  (rounds: {ratios})"
         )
 
 

@@ -25,6 +25,12 @@ log = logging.getLogger("pinvault.mirror")
 # When idle, a worker still looks at the queue this often: another process (`vault mirror
 # sync`) may have queued copies without waking it.
 IDLE_POLL: Final = 5.0
+# How often a worker aborts its mirror's uploads in parts left unfinished (a client that gave
+# up on a direct put, a put cut short), and how old one must be: older than any upload still
+# being sent or resumed. S3 keeps, and bills, their parts until then; MinIO refuses the
+# lifecycle rule (AbortIncompleteMultipartUpload) that would do it.
+SWEEP_INTERVAL: Final = 3600.0
+UNFINISHED_UPLOAD_SECONDS: Final = 2 * 24 * 3600.0
 _BATCH: Final = 32
 
 
@@ -163,10 +169,26 @@ class Replicator:
                 self.queue.unclaim(self.owner, batch[worked:])
         return report
 
+    def sweep(self, mirror: Mirror, older_than: float = UNFINISHED_UPLOAD_SECONDS) -> int:
+        """Abort the mirror's uploads in parts begun more than `older_than` seconds ago;
+        how many. A failure is logged: the next sweep tries again."""
+        try:
+            aborted = mirror.tier.abort_unfinished_uploads(older_than)
+        except VaultError as error:
+            log.warning("mirror %s: aborting unfinished uploads: %s", mirror.name, error)
+            return 0
+        if aborted:
+            log.info("mirror %s: aborted %d unfinished uploads", mirror.name, aborted)
+        return aborted
+
     def _run(self, mirror: Mirror) -> None:
         wake = self._wake[mirror.name]
+        next_sweep = time.monotonic()
         while not self._stop.is_set():
             wake.clear()
+            if time.monotonic() >= next_sweep:
+                self.sweep(mirror)
+                next_sweep = time.monotonic() + SWEEP_INTERVAL
             try:
                 self.drain(mirror, stop=self._stop.is_set)
                 next_try = self.queue.next_try(mirror.name)

@@ -12,7 +12,7 @@ from mirror.queue import ReplicationQueue
 from mirror.replicate import Replicator, copy_to_mirror
 from tiers.cold import DirectRead, DirectUpload
 from vault.digest import Digest
-from vault.errors import NotFound, Unavailable, VaultError
+from vault.errors import InvalidArgument, NotFound, Unavailable, VaultError
 from vault.store.chunks import BlobInfo, Chunk, ChunkList
 from vault.store.protocol import BlobStore, BlobWriter, Closing, CommitHook, Placed, PlacementRecord
 
@@ -102,36 +102,101 @@ class ReplicatingStore(Closing, BlobStore):
         expires: int,
         *,
         parts: tuple[int, Sequence[bytes]] | None = None,
-        resume: tuple[str, str, str] | None = None,
-    ) -> tuple[str, DirectUpload]:
-        """Where a client uploads the blob itself: a presigned PUT on the first of its
-        mirrors, which takes only the blob's bytes; or, given `parts` (part size, each part's
-        SHA-256), an upload in parts, new or the one `resume` names (mirror, key, upload id)."""
-        if resume is not None:
-            mirror = self.mirrors.get(resume[0])
-        else:
-            mirror = self._by_preference(sha256)[0]
-        if parts is None:
-            return mirror.name, mirror.tier.presign_upload(sha256, size, expires)
-        part_size, digests = parts
-        return mirror.name, mirror.tier.presign_parts(
-            sha256,
-            size,
-            part_size,
-            digests,
-            expires,
-            resume=None if resume is None else (resume[1], resume[2]),
-        )
+        resume: Sequence[tuple[str, str, str]] = (),
+        copies: int = 1,
+    ) -> list[tuple[str, DirectUpload]]:
+        """Where a client uploads the blob itself: on each of `copies` mirrors (at most the
+        blob's replicas; its assigned mirrors first, those last seen down last), a presigned
+        PUT that takes only the blob's bytes; or, given `parts` (part size, each part's
+        SHA-256), an upload in parts, new or the one `resume` names for that mirror (mirror,
+        key, upload id). A mirror that cannot begin an upload is left out, while another can:
+        its copy follows from the queue."""
+        wanted = max(1, min(copies, len(self.mirrors.assigned(sha256))))
+        resumed = {mirror: (key, upload_id) for mirror, key, upload_id in resume}
+        # Mirrors resumed keep their uploads: they come first. One the vault no longer has
+        # is passed over.
+        ordered = [self.mirrors.get(name) for name in resumed if name in self.mirrors.names]
+        ordered += [mirror for mirror in self._by_preference(sha256) if mirror not in ordered]
+        planned: list[tuple[str, DirectUpload]] = []
+        errors: list[str] = []
+        for mirror in ordered:
+            if len(planned) == wanted:
+                break
+            try:
+                planned.append(
+                    (
+                        mirror.name,
+                        self._plan_one(
+                            mirror, sha256, size, expires, parts, resumed.get(mirror.name)
+                        ),
+                    )
+                )
+            except Unavailable as error:
+                mirror.seen_down(str(error))
+                errors.append(f"{mirror.name}: {error}")
+        if not planned:
+            raise Unavailable("no mirror can take an upload: " + "; ".join(errors))
+        return planned
 
-    def adopt_upload(
-        self, sha256: Digest, mirror: str, key: str, upload_id: str = "", size: int = 0
+    @staticmethod
+    def _plan_one(
+        mirror: Mirror,
+        sha256: Digest,
+        size: int,
+        expires: int,
+        parts: tuple[int, Sequence[bytes]] | None,
+        resume: tuple[str, str] | None,
+    ) -> DirectUpload:
+        if parts is None:
+            return mirror.tier.presign_upload(sha256, size, expires)
+        part_size, digests = parts
+        if resume is not None:
+            try:
+                return mirror.tier.presign_parts(
+                    sha256, size, part_size, digests, expires, resume=resume
+                )
+            except NotFound:
+                pass  # finished, aborted or expired: begin anew
+        return mirror.tier.presign_parts(sha256, size, part_size, digests, expires)
+
+    def adopt_uploads(
+        self, sha256: Digest, uploads: Sequence[tuple[str, str, str]], size: int = 0
     ) -> tuple[BlobInfo, bool]:
-        """Take in a blob a client uploaded to `mirror` (read back and verified there), as a
-        put's copy: recorded as a placement, with the acknowledged copies made and the rest
-        queued, as for any put."""
-        found = self.mirrors.get(mirror)
-        info, created = found.tier.adopt_upload(sha256, key, upload_id, size)
-        self.queue.done(sha256, found.name, info.size)
+        """Take in a blob a client uploaded, as a put's copies: each of `uploads` (mirror,
+        key, upload id) on its own mirror. The first is read back and hashed here; each other
+        counts once its store holds it with the first's checksums, which it took only with
+        those bytes, so it is not read. Any upload that is not the blob refuses the whole
+        (IntegrityError), before anything is stored under the digest; a mirror that cannot be
+        reached now is left to the queue. The copies taken are recorded as placements, and
+        the rest queued, as for any put. Returns the blob and whether the first mirror's copy
+        is new."""
+        names = [mirror for mirror, _, _ in uploads]
+        if not uploads or len(set(names)) != len(names):
+            raise InvalidArgument(
+                f"a finished upload names each mirror once, and at least one: {names}"
+            )
+        mirrors = [self.mirrors.get(name) for name in names]
+        first, (_, key, upload_id) = mirrors[0], uploads[0]
+        checked = first.tier.check_upload(sha256, key, upload_id, size)
+        taken = [(first, key)]
+        for mirror, (_, key, upload_id) in zip(mirrors[1:], uploads[1:], strict=True):
+            try:
+                mirror.tier.check_copy(checked, key, upload_id)
+            except Unavailable as error:
+                mirror.seen_down(str(error))
+                continue
+            taken.append((mirror, key))
+        created = first.tier.install_upload(checked, taken[0][1])
+        info = checked.chunks.info
+        made = [(sha256, first.name, info.size)]
+        for mirror, key in taken[1:]:
+            try:
+                mirror.tier.install_upload(checked, key)
+            except Unavailable as error:
+                mirror.seen_down(str(error))
+                continue
+            made.append((sha256, mirror.name, info.size))
+        self.queue.done_many(made)
         self._queue_copies(info)
         return info, created
 

@@ -378,25 +378,28 @@ def test_a_direct_put_in_parts_cut_short_resumes_with_the_parts_missing(
     data = os.urandom(3 * part + 100_000)
     source, uploads = tmp_path / "weights.bin", tmp_path / "uploads"
     source.write_bytes(data)
-    sent: list[int] = []
+    sent: dict[str, list[int]] = {}
     cut = [True]
     real_upload = direct_module._upload
 
     def network(url: str, headers: dict[str, str], path: Path, offset: int, length: int) -> None:
-        # The link drops after the first two parts: a fault the real store cannot be made to show.
-        if cut[0] and len(sent) == 2:
+        # Each mirror's link drops after its first two parts: a fault the real store cannot be
+        # made to show.
+        parts = sent.setdefault(urllib.parse.urlsplit(url).path.split("/")[1], [])
+        if cut[0] and len(parts) == 2:
             raise Unavailable("uploading to the object store failed: connection reset")
-        sent.append(offset // part + 1)
+        parts.append(offset // part + 1)
         real_upload(url, headers, path, offset, length)
 
     monkeypatch.setattr(direct_module, "_upload", network)
     with a.client() as client:
         with pytest.raises(Unavailable):
             client.put_direct(source, part_size=part, uploads=uploads)
-        assert sent == [1, 2]
+        # The same bytes went to each of the three mirrors.
+        assert sorted(sent.values()) == [[1, 2]] * 3
         assert len(list(uploads.iterdir())) == 1
         # Finishing an upload that lacks parts is refused, and catalogues nothing.
-        begun = json.loads(next(uploads.iterdir()).read_text())
+        (begun, *_) = json.loads(next(uploads.iterdir()).read_text())["uploads"]
         with (
             grpc.insecure_channel(a.address) as channel,
             pytest.raises(grpc.RpcError) as refused,
@@ -417,7 +420,7 @@ def test_a_direct_put_in_parts_cut_short_resumes_with_the_parts_missing(
         sent.clear()
         cut[0] = False
         result = client.put_direct(source, part_size=part, uploads=uploads)
-        assert sent == [3, 4]
+        assert sorted(sent.values()) == [[3, 4]] * 3
         assert (result.blob.sha256, result.created) == (sha256_of(data), True)
         assert list(uploads.iterdir()) == []
     with b.client() as client:
@@ -426,11 +429,12 @@ def test_a_direct_put_in_parts_cut_short_resumes_with_the_parts_missing(
         assert out.read_bytes() == data
 
 
-def test_finishing_a_direct_put_counts_as_one_of_its_callers_streams(
+def test_planning_and_finishing_a_direct_put_count_as_one_of_its_callers_streams(
     tmp_path: Path, postgres_url: str, minio_server: MinioServer
 ) -> None:
-    """Adopting an upload reads the whole blob back: it runs on the stream workers under the
-    caller's stream limit, not on the threads that answer look-ups."""
+    """Adopting an upload reads the whole blob back, and planning one presigns each of its
+    parts on each mirror: both run on the stream workers under the caller's stream limit, not
+    on the threads that answer look-ups."""
     one = {"PINVAULT_SERVER_STREAMS_PER_CALLER": "1"}
     with started_pair(tmp_path, postgres_url, minio_server, server=one) as (a, _, _):
         data = os.urandom(8 * 1024 * 1024)
@@ -452,6 +456,12 @@ def test_finishing_a_direct_put_counts_as_one_of_its_callers_streams(
                     )
                 assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert "streams open" in str(refused.value.details())
+                # So is a plan, whose parts cost the server as much to presign.
+                with pytest.raises(grpc.RpcError) as refused:
+                    store.DirectPut(
+                        pb.DirectPutRequest(sha256=str(small), size=10, copies=3), timeout=30
+                    )
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 # Look-ups are answered all the while.
                 found = store.FindMissing(pb.FindMissingRequest(digests=[digest]), timeout=30)
                 assert list(found.missing) == []

@@ -18,8 +18,10 @@ from tiers.cold._layout import (
 )
 from tiers.cold._tier import (
     COMPRESSION_LEVEL,
+    DIRECT_PARTS_MAX,
     DIRECT_PUT_MAX,
     LOOKUP_THREADS,
+    CheckedUpload,
     ColdTier,
     DirectRead,
     DirectUpload,
@@ -38,6 +40,7 @@ from tiers.cold._upload import (
 __all__ = [
     "COMPRESSION_LEVEL",
     "DATA_FORMAT",
+    "DIRECT_PARTS_MAX",
     "DIRECT_PUT_MAX",
     "FORMAT",
     "INDEX_PROBE",
@@ -50,6 +53,7 @@ __all__ = [
     "PART_SIZE",
     "READ_WINDOW",
     "UPLOAD_THREADS",
+    "CheckedUpload",
     "ColdLayout",
     "ColdTier",
     "ColdWriter",

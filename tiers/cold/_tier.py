@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import re
 import secrets
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +31,6 @@ from tiers.cold._layout import (
 from tiers.cold._s3 import MISSING, Refused, S3Bucket, Unreadable, b64, object_size
 from tiers.cold._upload import (
     MAX_PART_SIZE,
-    MAX_PARTS,
     MIN_PART_SIZE,
     PART_MAX_DOUBLINGS,
     PART_SIZE,
@@ -59,6 +59,10 @@ _UPLOAD_KEY = re.compile(r"data/[0-9a-f]{32}")
 # S3's largest object in one PUT: a direct upload is one PUT, whose checksum header binds it to
 # the blob's SHA-256 (a multipart upload's checksum is not the object's).
 DIRECT_PUT_MAX: Final = 5 << 30
+# The most parts one direct upload may have: each is presigned when it is planned (some 50 µs
+# of the server's CPU a part), so this bounds what one plan costs. Parts of up to 5 GiB still
+# reach S3's largest object.
+DIRECT_PARTS_MAX: Final = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,16 @@ class DirectUpload:
     upload_id: str = ""
     part_urls: tuple[str, ...] = ()
     present: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedUpload:
+    """An upload read back and found to hold the blob: its chunk list, and the SHA-256 and
+    size of each part it was uploaded in (one part, the whole blob, for a single PUT), which
+    the other copies' checksums are held against."""
+
+    chunks: ChunkList
+    parts: tuple[tuple[bytes, int], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,10 +321,11 @@ class ColdTier(Closing, BlobStore):
         id) begun earlier, with the parts it already holds named."""
         require_sha256(sha256)
         count = -(-size // part_size) if part_size else 0
-        if not MIN_PART_SIZE <= part_size <= MAX_PART_SIZE or not 0 < count <= MAX_PARTS:
+        if not MIN_PART_SIZE <= part_size <= MAX_PART_SIZE or not 0 < count <= DIRECT_PARTS_MAX:
             raise InvalidArgument(
-                f"an upload in parts takes parts of {MIN_PART_SIZE} to {MAX_PART_SIZE} bytes, "
-                f"at most {MAX_PARTS} of them: {part_size} bytes for {size} is not that"
+                f"a direct upload in parts takes parts of {MIN_PART_SIZE} to {MAX_PART_SIZE} "
+                f"bytes, at most {DIRECT_PARTS_MAX} of them: {part_size} bytes for {size} is "
+                "not that"
             )
         if len(parts) != count or any(len(digest) != 32 for digest in parts):
             raise InvalidArgument(
@@ -386,9 +401,10 @@ class ColdTier(Closing, BlobStore):
         ):
             raise InvalidArgument(f"{key!r} is not an upload this vault hands out")
 
-    def _complete_parts(self, key: str, upload_id: str, size: int) -> None:
+    def _complete_parts(self, key: str, upload_id: str, size: int) -> list[tuple[str, int]]:
         """Join an upload's parts into its object, once they are numbered from 1 without a
-        gap and hold `size` bytes."""
+        gap and hold `size` bytes; returns each part's SHA-256 checksum (as the store holds
+        it) and size, in order."""
         held = self._uploaded_parts(key, upload_id)
         total = sum(part[2] for part in held.values())
         if not held or sorted(held) != list(range(1, len(held) + 1)) or total != size:
@@ -408,41 +424,41 @@ class ColdTier(Closing, BlobStore):
                 ]
             },
         )
+        return [(held[n][0], held[n][2]) for n in sorted(held)]
 
     def adopt_upload(
         self, sha256: Digest, key: str, upload_id: str = "", size: int = 0
     ) -> tuple[BlobInfo, bool]:
         """Store, under its digest, the blob a client uploaded to data object `key` (in parts,
-        if `upload_id`, which are joined first once they hold `size` bytes): a single PUT must
-        be held with the blob's SHA-256 as its checksum, and every upload is read back and
-        hashed here (its chunk list, its BLAKE3 and its SHA-256 again) before its index is
-        written. Returns its info
-        and whether it was new here; an object that is not the blob is deleted and refused
-        (IntegrityError)."""
+        if `upload_id`): check_upload, then install_upload. Returns its info and whether it
+        was new here."""
+        checked = self.check_upload(sha256, key, upload_id, size)
+        return checked.chunks.info, self.install_upload(checked, key)
+
+    def check_upload(
+        self, sha256: Digest, key: str, upload_id: str = "", size: int = 0
+    ) -> CheckedUpload:
+        """Read back the blob a client uploaded to data object `key` (in parts, if
+        `upload_id`, which are joined first once they hold `size` bytes) and hash it here: its
+        chunk list, its BLAKE3 and its SHA-256, and for an upload in parts each part's SHA-256. A
+        single PUT must also be held with the blob's SHA-256 as its checksum. An object that is
+        not the blob is refused (IntegrityError), never deleted: the key may name another
+        blob's data (a reader learns data keys from its presigned reads); an upload left
+        behind is collected later."""
         require_sha256(sha256)
         self._check_upload_key(key)
-        if upload_id:
-            self._complete_parts(key, upload_id, size)
-        try:
-            head = self._s3.call(
-                f"looking up {key}",
-                "head_object",
-                tolerate=MISSING,
-                Key=key,
-                ChecksumMode="ENABLED",
-            )
-        except Refused:
-            raise NotFound(f"nothing was uploaded to {self._where}{key}") from None
+        held = self._complete_parts(key, upload_id, size) if upload_id else None
+        head = self._head_upload(key)
         size = int(head["ContentLength"])
         # An object made of parts carries the SHA-256 of its parts' SHA-256s: only reading it
         # back says what it holds.
-        if not upload_id and head.get("ChecksumSHA256") != b64(sha256.raw):
-            # Refused, never deleted: the key may name another blob's data (a reader learns
-            # data keys from its presigned reads); an upload left behind is collected later.
+        if held is None and head.get("ChecksumSHA256") != b64(sha256.raw):
             raise IntegrityError(
                 f"the object uploaded to {key} was not stored with {sha256} as its checksum: "
                 "refused"
             )
+        sizes = [part_size for _, part_size in held] if held is not None else [size]
+        parts: list[bytes] = []
         try:
             with self._s3.reading(f"reading {key}", MISSING):
                 response = self.client.get_object(Bucket=self.bucket, Key=key)
@@ -451,7 +467,14 @@ class ColdTier(Closing, BlobStore):
         body = response["Body"]
         try:
             with self._s3.reading(f"reading {key}"):
-                chunks = rehash(iter(lambda: body.read(CHUNK_SIZE), b""), CHUNK_SIZE)
+                pieces = iter(lambda: body.read(CHUNK_SIZE), b"")
+                # The SHA-256 is computed again beside the chunk list and the BLAKE3 alias,
+                # though a single PUT's store already checked it: the alias the vault records
+                # must be of the very bytes that hash to the digest, whatever the store or the
+                # link to it says (about 0.7 CPU-seconds a GiB).
+                if held is not None:
+                    pieces = _hashing_parts(pieces, sizes, parts)
+                chunks = rehash(pieces, CHUNK_SIZE)
         finally:
             body.close()
         if chunks.sha256 != sha256 or chunks.size != size:
@@ -459,14 +482,117 @@ class ColdTier(Closing, BlobStore):
                 f"the object uploaded to {key} is not {sha256}: its {chunks.size} bytes hash "
                 f"to {chunks.sha256}; refused"
             )
+        if held is None:
+            parts = [sha256.raw]
+        elif [checksum for checksum, _ in held] != [b64(digest) for digest in parts]:
+            raise IntegrityError(
+                f"the parts of the object uploaded to {key} read back other than the store "
+                "holds them: refused"
+            )
+        return CheckedUpload(chunks, tuple(zip(parts, sizes, strict=True)))
+
+    def check_copy(self, checked: CheckedUpload, key: str, upload_id: str = "") -> None:
+        """Make sure data object `key` (an upload in parts, if `upload_id`, joined here)
+        holds the same bytes as the upload `checked` was read back from, without reading it:
+        the store must hold it with the same SHA-256 checksums, of the whole for a single PUT
+        or of every part (and the same part sizes) for an upload in parts, which it took only
+        with those bytes. A store that keeps no checksum has the copy read back instead. An
+        object that is not the blob is refused (IntegrityError), never deleted."""
+        self._check_upload_key(key)
+        chunks = checked.chunks
+        expected = [(b64(digest), part_size) for digest, part_size in checked.parts]
+        if upload_id:
+            held = self._uploaded_parts(key, upload_id)
+            found = [(held[n][0], held[n][2]) for n in sorted(held)]
+            vouched = all(checksum for checksum, _ in found)
+            if sorted(held) != list(range(1, len(held) + 1)) or (vouched and found != expected):
+                raise IntegrityError(
+                    f"the upload to {key} holds other parts than the copy of {chunks.sha256} "
+                    "read back: refused"
+                )
+            self._complete_parts(key, upload_id, chunks.size)
+            composite = hashlib.sha256(b"".join(digest for digest, _ in checked.parts))
+            wanted = f"{b64(composite.digest())}-{len(checked.parts)}"
+        else:
+            wanted = b64(chunks.sha256.raw)
+        head = self._head_upload(key)
+        stored = head.get("ChecksumSHA256")
+        if int(head["ContentLength"]) != chunks.size or (stored and stored != wanted):
+            raise IntegrityError(
+                f"the object uploaded to {key} is not {chunks.sha256}: it holds "
+                f"{head['ContentLength']} bytes with checksum {stored}; refused"
+            )
+        if not stored:
+            self._s3.read_back(
+                key,
+                [digest for digest, _ in checked.parts],
+                [part_size for _, part_size in checked.parts],
+            )
+
+    def _head_upload(self, key: str) -> Any:
+        try:
+            return self._s3.call(
+                f"looking up {key}",
+                "head_object",
+                tolerate=MISSING,
+                Key=key,
+                ChecksumMode="ENABLED",
+            )
+        except Refused:
+            raise NotFound(f"nothing was uploaded to {self._where}{key}") from None
+
+    def install_upload(self, checked: CheckedUpload, key: str) -> bool:
+        """Write the index that makes a checked upload at `key` this mirror's copy of the
+        blob; False if the mirror held the blob already (the upload is then not needed)."""
+        chunks = checked.chunks
         entries = [chunks.span(n)[1] for n in range(chunks.count)]
         created = self._put_index(
-            self._index_key(sha256), encode_index(chunks, entries, key), chunks, size, key
+            self._index_key(chunks.sha256),
+            encode_index(chunks, entries, key),
+            chunks,
+            chunks.size,
+            key,
         )
         if not created:
             # Stored already, from other data: this copy is not needed.
             self._drop_upload(key)
-        return chunks.info, created
+        return created
+
+    def abort_unfinished_uploads(self, older_than: float, *, limit: int = 1000) -> int:
+        """Abort uploads in parts under data/ begun more than `older_than` seconds ago (a
+        client that gave up, a put cut short): S3 keeps their parts, and bills them, until
+        then. Returns how many were aborted, at most `limit` a call. Lists the whole bucket's
+        uploads: some servers (MinIO) list only those of one key when given a prefix."""
+        cutoff = time.time() - older_than
+        aborted = 0
+        params: dict[str, Any] = {}
+        while aborted < limit:
+            page = self._s3.call("listing unfinished uploads", "list_multipart_uploads", **params)
+            for upload in page.get("Uploads", ()):
+                key = str(upload["Key"])
+                initiated = upload["Initiated"].timestamp()
+                if initiated > cutoff or not key.startswith(self.prefix):
+                    continue
+                if not _UPLOAD_KEY.fullmatch(key.removeprefix(self.prefix)):
+                    continue
+                with contextlib.suppress(Refused):
+                    self._s3.call(
+                        f"aborting the upload to {key}",
+                        "abort_multipart_upload",
+                        tolerate=frozenset({"NoSuchUpload"}) | MISSING,
+                        Key=key,
+                        UploadId=upload["UploadId"],
+                    )
+                    aborted += 1
+                if aborted >= limit:
+                    break
+            if not page.get("IsTruncated"):
+                break
+            params = {
+                "KeyMarker": page.get("NextKeyMarker", ""),
+                "UploadIdMarker": page.get("NextUploadIdMarker", ""),
+            }
+        return aborted
 
     def _drop_upload(self, key: str) -> None:
         with contextlib.suppress(Unavailable):
@@ -652,6 +778,24 @@ class ColdTier(Closing, BlobStore):
         except (NotFound, IntegrityError):
             return False
         return layout.data_key == data_key
+
+
+def _hashing_parts(
+    pieces: Iterator[bytes], sizes: Sequence[int], out: list[bytes]
+) -> Iterator[bytes]:
+    """Hand `pieces` on, appending to `out` the SHA-256 of each run of `sizes` bytes in them."""
+    left = iter(sizes)
+    part, want = hashlib.sha256(), next(left, 0)
+    for data in pieces:
+        view = memoryview(data)
+        while len(view) and want:
+            take = min(want, len(view))
+            part.update(view[:take])
+            view, want = view[take:], want - take
+            if not want:
+                out.append(part.digest())
+                part, want = hashlib.sha256(), next(left, 0)
+        yield data
 
 
 @contextlib.contextmanager

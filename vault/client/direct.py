@@ -1,16 +1,21 @@
-"""Bytes straight between this client and the vault's object store: a put uploads the file with
-the presigned PUT the vault hands out (the store takes only bytes with the file's SHA-256) and
-the vault adopts it once it has verified it; a get downloads a mirror copy's stored chunks with
-a presigned GET and checks them here, as every read is checked, before the file appears. The
-store and the network between are trusted with nothing: what they answer is hashed here."""
+"""Bytes straight between this client and the vault's object store: a put uploads the file to
+each of the blob's mirrors with the presigned PUTs the vault hands out (each store takes only
+bytes with the file's SHA-256) and the vault adopts them once it has verified them; a get
+downloads a mirror copy's stored chunks with a presigned GET and checks them here, as every
+read is checked, before the file appears. The store and the network between are trusted with
+nothing: what they answer is hashed here."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import http.client
 import json
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 from urllib.parse import urlsplit
@@ -27,10 +32,15 @@ from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
 BLOCK: Final = 1 << 20
-# S3's largest single PUT, its most parts an upload, and the part size a client starts from.
+# S3's largest single PUT, the most parts a vault presigns for one upload, and the part size
+# a client starts from.
 SINGLE_PUT_MAX: Final = 5 << 30
-MAX_PARTS: Final = 10_000
+MAX_PARTS: Final = 1024
 PART_SIZE: Final = 64 << 20
+# The most mirrors a put uploads to at once; the vault keeps a blob on fewer.
+MAX_COPIES: Final = 16
+# How long a record of an upload begun is kept: the vault aborts uploads left longer.
+STALE_UPLOAD_SECONDS: Final = 2 * 24 * 3600
 # A stored chunk decompresses to at most the chunk size, which a vault may choose up to this;
 # a stored extent is at most that plus zstd's worst-case overhead.
 MAX_CHUNK: Final = 64 << 20
@@ -47,63 +57,61 @@ def put_direct(
     *,
     part_size: int | None = None,
     uploads: Path | None = None,
+    copies: int | None = None,
 ) -> PutResult:
     """Store the file at `path` by uploading it straight to the vault's object store: in one
-    PUT, or in parts of `part_size` bytes (always for a file larger than one PUT takes). An
-    upload in parts is remembered in the folder `uploads`, if given, until it is finished, so
-    that a put of the same file cut short resumes it, uploading only the parts missing."""
+    PUT, or in parts of `part_size` bytes (always for a file larger than one PUT takes), to
+    `copies` of the vault's mirrors at once (by default every one the blob is kept on; those
+    left out, or that refuse, get their copy from the vault's queue). An upload in parts is
+    remembered in the folder `uploads`, if given, until it is finished, so that a put of the
+    same file cut short resumes it, uploading only the parts missing; records left there
+    longer than STALE_UPLOAD_SECONDS are removed."""
     size = _size_of(path)
     in_parts = part_size is not None or size > SINGLE_PUT_MAX
     chosen = part_size or max(PART_SIZE, -(-size // MAX_PARTS))
     size, sha256, b3, parts = _hash_file(path, chosen if in_parts else None)
-    request = pb.DirectPutRequest(sha256=str(sha256), size=size)
+    request = pb.DirectPutRequest(
+        sha256=str(sha256), size=size, copies=MAX_COPIES if copies is None else copies
+    )
+    if uploads is not None:
+        _remove_stale(uploads)
     state = uploads / f"{sha256.hex}.json" if uploads is not None and in_parts else None
     if in_parts:
         request.part_size = chosen
         request.part_sha256.extend(parts)
-        begun = _begun(state, chosen)
-        if begun is not None:
-            request.resume_mirror, request.resume_key, request.resume_upload_id = begun
+        request.resume.extend(
+            pb.DirectUploadRef(mirror=mirror, key=key, upload_id=upload_id)
+            for mirror, key, upload_id in _begun(state, chosen)
+        )
     try:
         with rpc_errors():
             plan = store.DirectPut(request, timeout=timeout)
     except NotFound:
-        if not request.resume_upload_id:
+        if not request.resume:
             raise
-        # The upload begun earlier is gone (finished, aborted or expired): begin anew.
-        request.resume_mirror = request.resume_key = request.resume_upload_id = ""
+        # The uploads begun earlier are gone (finished, aborted or expired): begin anew.
+        del request.resume[:]
         with rpc_errors():
             plan = store.DirectPut(request, timeout=timeout)
     if plan.HasField("stored"):
         return _checked(PutResult(BlobInfo.from_wire(plan.stored), False), sha256, b3, size)
-    if plan.upload_id:
-        if len(plan.part_urls) != len(parts):
-            raise IntegrityError(
-                f"the vault planned {len(plan.part_urls)} parts for the client's {len(parts)}"
-            )
-        _remember(state, plan, chosen)
-        present = set(plan.parts_present)
-        for number, url in enumerate(plan.part_urls, start=1):
-            if number not in present:
-                offset = (number - 1) * chosen
-                checksum = base64.b64encode(parts[number - 1]).decode()
-                _upload(
-                    url,
-                    {"x-amz-checksum-sha256": checksum},
-                    path,
-                    offset,
-                    min(chosen, size - offset),
-                )
-    else:
-        _upload(plan.url, dict(plan.headers), path, 0, size)
+    targets = _targets(plan, sha256, len(parts) if in_parts else None)
+    if in_parts:
+        _remember(state, targets, chosen)
+    uploaded = _upload_all(targets, path, size, chosen, parts)
+    first, *others = uploaded
     with rpc_errors():
         response = store.FinishDirectPut(
             pb.FinishDirectPutRequest(
                 sha256=str(sha256),
-                mirror=plan.mirror,
-                key=plan.key,
-                upload_id=plan.upload_id,
+                mirror=first.mirror,
+                key=first.key,
+                upload_id=first.upload_id,
                 size=size,
+                copies=[
+                    pb.DirectUploadRef(mirror=t.mirror, key=t.key, upload_id=t.upload_id)
+                    for t in others
+                ],
             ),
             timeout=timeout,
         )
@@ -114,19 +122,122 @@ def put_direct(
     )
 
 
-def _begun(state: Path | None, part_size: int) -> tuple[str, str, str] | None:
-    """The upload in parts of this file begun earlier with the same part size, if any."""
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """One mirror's upload in a plan."""
+
+    mirror: str
+    key: str
+    url: str
+    headers: dict[str, str]
+    upload_id: str
+    part_urls: list[str]
+    present: frozenset[int]
+
+
+def _targets(plan: pb.DirectPutPlan, sha256: Digest, parts: int | None) -> list[_Target]:
+    """The plan's uploads, once checked to be uploads of this file: a plan for other bytes
+    (one replayed, say) is refused before a byte is sent."""
+    targets = [
+        _Target(
+            plan.mirror,
+            plan.key,
+            plan.url,
+            dict(plan.headers),
+            plan.upload_id,
+            list(plan.part_urls),
+            frozenset(plan.parts_present),
+        )
+    ]
+    targets += [
+        _Target(
+            c.mirror,
+            c.key,
+            c.url,
+            dict(c.headers),
+            c.upload_id,
+            list(c.part_urls),
+            frozenset(c.parts_present),
+        )
+        for c in plan.copies
+    ]
+    if len({t.mirror for t in targets}) != len(targets) or len(targets) > MAX_COPIES:
+        raise IntegrityError(f"the vault planned {len(targets)} uploads to the same mirrors")
+    checksum = base64.b64encode(sha256.raw).decode()
+    for target in targets:
+        if parts is None:
+            if target.upload_id or target.headers.get("x-amz-checksum-sha256") != checksum:
+                raise IntegrityError(
+                    f"the vault planned an upload to {target.mirror} that is not of {sha256}"
+                )
+        elif not target.upload_id or len(target.part_urls) != parts:
+            raise IntegrityError(
+                f"the vault planned {len(target.part_urls)} parts to {target.mirror} for the "
+                f"client's {parts}"
+            )
+    return targets
+
+
+def _upload_all(
+    targets: list[_Target], path: Path, size: int, part_size: int, parts: list[bytes]
+) -> list[_Target]:
+    """Upload the file to every target at once; the targets that took it. A target whose
+    store refuses or cannot be reached is left out (the vault's queue makes its copy); if
+    every one fails, the first failure is raised."""
+
+    def send(target: _Target) -> None:
+        if not target.upload_id:
+            _upload(target.url, target.headers, path, 0, size)
+            return
+        for number, url in enumerate(target.part_urls, start=1):
+            if number not in target.present:
+                offset = (number - 1) * part_size
+                checksum = base64.b64encode(parts[number - 1]).decode()
+                _upload(
+                    url,
+                    {"x-amz-checksum-sha256": checksum},
+                    path,
+                    offset,
+                    min(part_size, size - offset),
+                )
+
+    if len(targets) == 1:
+        send(targets[0])
+        return targets
+    with ThreadPoolExecutor(len(targets), thread_name_prefix="pinvault-direct") as pool:
+        outcomes = list(zip(targets, [pool.submit(send, t) for t in targets], strict=True))
+    taken: list[_Target] = []
+    failures: list[BaseException] = []
+    for target, outcome in outcomes:
+        error = outcome.exception()
+        if error is None:
+            taken.append(target)
+        elif isinstance(error, (IntegrityError, Unavailable)):
+            failures.append(error)
+        else:
+            raise error
+    if not taken:
+        raise failures[0]
+    return taken
+
+
+def _begun(state: Path | None, part_size: int) -> list[tuple[str, str, str]]:
+    """The uploads in parts of this file begun earlier with the same part size, if any."""
     if state is None:
-        return None
+        return []
     try:
         found = json.loads(state.read_text())
-        begun = (str(found["mirror"]), str(found["key"]), str(found["upload_id"]))
-        return begun if found["part_size"] == part_size else None
+        if found["part_size"] != part_size:
+            return []
+        return [
+            (str(upload["mirror"]), str(upload["key"]), str(upload["upload_id"]))
+            for upload in found["uploads"]
+        ][:MAX_COPIES]
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return []
 
 
-def _remember(state: Path | None, plan: pb.DirectPutPlan, part_size: int) -> None:
+def _remember(state: Path | None, targets: list[_Target], part_size: int) -> None:
     if state is None:
         return
     state.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -134,14 +245,29 @@ def _remember(state: Path | None, plan: pb.DirectPutPlan, part_size: int) -> Non
     partial.write_text(
         json.dumps(
             {
-                "mirror": plan.mirror,
-                "key": plan.key,
-                "upload_id": plan.upload_id,
+                "uploads": [
+                    {"mirror": t.mirror, "key": t.key, "upload_id": t.upload_id} for t in targets
+                ],
                 "part_size": part_size,
             }
         )
     )
     os.replace(partial, state)
+
+
+def _remove_stale(uploads: Path) -> None:
+    """Forget the uploads begun more than STALE_UPLOAD_SECONDS ago: the vault's mirrors have
+    aborted them by then."""
+    cutoff = time.time() - STALE_UPLOAD_SECONDS
+    try:
+        records = list(uploads.iterdir())
+    except OSError:
+        return
+    for record in records:
+        if record.name.endswith(".json") or ".json." in record.name:
+            with contextlib.suppress(OSError):
+                if record.lstat().st_mtime < cutoff:
+                    record.unlink()
 
 
 def get_direct(store: rpc.StoreStub, timeout: float | None, digest: str, path: Path) -> BlobInfo:

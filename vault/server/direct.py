@@ -1,9 +1,10 @@
-"""Bytes straight between clients and the object store: the vault hands a writer a presigned PUT
-of one blob to one mirror, which takes only bytes with the blob's SHA-256, then adopts what was
-uploaded once it has read it back and verified it; and hands a reader a presigned GET of a
-mirror copy, which the client verifies as it does every read. The vault handles names and
-proofs; the bytes do not pass through it on their way in or out (they do once, on their way
-in, to be verified: no digest is catalogued on the client's word)."""
+"""Bytes straight between clients and the object store: the vault hands a writer presigned PUTs
+of one blob to one or more of its mirrors, each taking only bytes with the blob's SHA-256, and
+adopts what was uploaded once it has read one copy back and verified it, and found the store to
+hold each other copy with the same checksums; and hands a reader a presigned GET of a mirror
+copy, which the client verifies as it does every read. The vault handles names and proofs; the
+bytes pass through it once on their way in, to be verified (no digest is catalogued on the
+client's word), and never on their way out or to the other mirrors."""
 
 from __future__ import annotations
 
@@ -23,17 +24,21 @@ if TYPE_CHECKING:
 
 # How long a presigned request stays valid: long enough for a large blob on a slow link.
 EXPIRES_SECONDS: Final = 3600
+# The most mirrors one request names (uploads to resume, copies finished): a vault has a few.
+MAX_DIRECT_COPIES: Final = 16
 
 
 @dataclass(frozen=True, slots=True)
 class Planned:
     """What a client asks to upload: the blob, and for an upload in parts, the part size and
-    each part's SHA-256, and the upload to resume (mirror, key, upload id) if any."""
+    each part's SHA-256, and the uploads to resume (mirror, key, upload id) if any; and on how
+    many mirrors it uploads the same bytes."""
 
     sha256: Digest
     size: int
     parts: tuple[int, Sequence[bytes]] | None = None
-    resume: tuple[str, str, str] | None = None
+    resume: Sequence[tuple[str, str, str]] = ()
+    copies: int = 1
 
 
 class DirectTransfers:
@@ -53,8 +58,9 @@ class DirectTransfers:
             )
         return store
 
-    def plan_put(self, request: Planned) -> StoredBlob | tuple[str, DirectUpload]:
-        """The blob as stored already, or the mirror and presigned upload to upload it with."""
+    def plan_put(self, request: Planned) -> StoredBlob | list[tuple[str, DirectUpload]]:
+        """The blob as stored already, or the mirrors and presigned uploads to upload it
+        with, the first of them the copy the vault reads back."""
         _require_sha256(request.sha256)
         store = self._mirrored()
         found = self.content.find(request.sha256)
@@ -66,14 +72,16 @@ class DirectTransfers:
             EXPIRES_SECONDS,
             parts=request.parts,
             resume=request.resume,
+            copies=request.copies,
         )
 
     def finish_put(
-        self, sha256: Digest, mirror: str, key: str, upload_id: str = "", size: int = 0
+        self, sha256: Digest, uploads: Sequence[tuple[str, str, str]], size: int = 0
     ) -> tuple[StoredBlob, bool]:
-        """Adopt an upload (verified on the way) and catalogue it."""
+        """Adopt the uploads (mirror, key, upload id) of one blob, verified on the way, and
+        catalogue it."""
         _require_sha256(sha256)
-        info, created = self._mirrored().adopt_upload(sha256, mirror, key, upload_id, size)
+        info, created = self._mirrored().adopt_uploads(sha256, uploads, size)
         stored_at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         return self.content.adopt(info, stored_at), created
 

@@ -95,9 +95,10 @@ def unary(method: Callable[..., Any]) -> Handler:
 
 
 # Unary calls whose work moves a whole blob (reading an upload back takes as long as the blob
-# is large): they run on the stream workers and count as one of their caller's streams, so
-# that they cannot take the threads look-ups and other short calls are answered on.
-TRANSFER_CALLS: Final = frozenset({"Store.FinishDirectPut"})
+# is large) or costs as much (presigning a plan's parts): they run on the stream workers and
+# count as one of their caller's streams, so that they cannot take the threads look-ups and
+# other short calls are answered on.
+TRANSFER_CALLS: Final = frozenset({"Store.DirectPut", "Store.FinishDirectPut"})
 
 
 def transfer(method: Callable[..., Any]) -> Handler:

@@ -18,7 +18,7 @@ from vault.ledger.log import Ledger
 from vault.server.blob_audit import BlobAudit
 from vault.server.content import Content, StoredBlob
 from vault.server.damage import KnownDamage
-from vault.server.direct import EXPIRES_SECONDS, DirectTransfers, Planned
+from vault.server.direct import EXPIRES_SECONDS, MAX_DIRECT_COPIES, DirectTransfers, Planned
 from vault.server.edge import (
     Service,
     abort,
@@ -284,20 +284,27 @@ class StoreService(Service, rpc.StoreServicer):
         )
         return pb.StatResponse(blob=_blob(blob), pins=[entry_message(e) for e in entries])
 
-    @unary
+    @transfer
     def DirectPut(self, request: pb.DirectPutRequest) -> pb.DirectPutPlan:
-        resume = (request.resume_mirror, request.resume_key, request.resume_upload_id)
+        resume = [(u.mirror, u.key, u.upload_id) for u in request.resume]
+        if request.resume_mirror and request.resume_key and request.resume_upload_id:
+            resume.insert(0, (request.resume_mirror, request.resume_key, request.resume_upload_id))
+        if len(resume) > MAX_DIRECT_COPIES:
+            raise InvalidArgument(
+                f"too many uploads to resume: {len(resume)} (at most {MAX_DIRECT_COPIES})"
+            )
         planned = self.direct.plan_put(
             Planned(
                 Digest.parse(request.sha256),
                 request.size,
                 parts=(request.part_size, list(request.part_sha256)) if request.part_size else None,
-                resume=resume if all(resume) else None,
+                resume=resume,
+                copies=request.copies,
             )
         )
         if isinstance(planned, StoredBlob):
             return pb.DirectPutPlan(stored=_blob(planned))
-        mirror, upload = planned
+        (mirror, upload), *others = planned
         return pb.DirectPutPlan(
             mirror=mirror,
             key=upload.key,
@@ -307,17 +314,29 @@ class StoreService(Service, rpc.StoreServicer):
             upload_id=upload.upload_id,
             part_urls=upload.part_urls,
             parts_present=upload.present,
+            copies=[
+                pb.DirectCopyPlan(
+                    mirror=name,
+                    key=other.key,
+                    url=other.url,
+                    headers=other.headers,
+                    upload_id=other.upload_id,
+                    part_urls=other.part_urls,
+                    parts_present=other.present,
+                )
+                for name, other in others
+            ],
         )
 
     @transfer
     def FinishDirectPut(self, request: pb.FinishDirectPutRequest) -> pb.PutResponse:
-        blob, created = self.direct.finish_put(
-            Digest.parse(request.sha256),
-            request.mirror,
-            request.key,
-            request.upload_id,
-            request.size,
-        )
+        if len(request.copies) >= MAX_DIRECT_COPIES:
+            raise InvalidArgument(
+                f"too many copies: {len(request.copies) + 1} (at most {MAX_DIRECT_COPIES})"
+            )
+        uploads = [(request.mirror, request.key, request.upload_id)]
+        uploads += [(c.mirror, c.key, c.upload_id) for c in request.copies]
+        blob, created = self.direct.finish_put(Digest.parse(request.sha256), uploads, request.size)
         return pb.PutResponse(blob=_blob(blob), created=created)
 
     @unary

@@ -444,6 +444,8 @@ class DirectPutRequest(_message.Message):
     RESUME_MIRROR_FIELD_NUMBER: _builtins.int
     RESUME_KEY_FIELD_NUMBER: _builtins.int
     RESUME_UPLOAD_ID_FIELD_NUMBER: _builtins.int
+    RESUME_FIELD_NUMBER: _builtins.int
+    COPIES_FIELD_NUMBER: _builtins.int
     sha256: _builtins.str
     """The blob's SHA-256 and size, as the client computed them."""
     size: _builtins.int
@@ -455,8 +457,19 @@ class DirectPutRequest(_message.Message):
     """Resume this upload in parts, begun by an earlier plan (its mirror, key and upload id)."""
     resume_key: _builtins.str
     resume_upload_id: _builtins.str
+    copies: _builtins.int
+    """How many mirrors the client uploads the same bytes to, the blob's assigned mirrors first:
+    0 or 1, the first only (the vault's queue makes the other copies); at most the blob's
+    replicas.
+    """
     @_builtins.property
     def part_sha256(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    @_builtins.property
+    def resume(self) -> _containers.RepeatedCompositeFieldContainer[Global___DirectUploadRef]:
+        """Resume these uploads in parts (one a mirror), begun by an earlier plan; a mirror's upload
+        that is gone is begun anew.
+        """
+
     def __init__(
         self,
         *,
@@ -467,14 +480,106 @@ class DirectPutRequest(_message.Message):
         resume_mirror: _builtins.str = ...,
         resume_key: _builtins.str = ...,
         resume_upload_id: _builtins.str = ...,
+        resume: _abc.Iterable[Global___DirectUploadRef] | None = ...,
+        copies: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["part_sha256", b"part_sha256", "part_size", b"part_size", "resume_key", b"resume_key", "resume_mirror", b"resume_mirror", "resume_upload_id", b"resume_upload_id", "sha256", b"sha256", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copies", b"copies", "part_sha256", b"part_sha256", "part_size", b"part_size", "resume", b"resume", "resume_key", b"resume_key", "resume_mirror", b"resume_mirror", "resume_upload_id", b"resume_upload_id", "sha256", b"sha256", "size", b"size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DirectPutRequest: _TypeAlias = DirectPutRequest  # noqa: Y015
+
+@_typing.final
+class DirectUploadRef(_message.Message):
+    """One upload a plan began on one mirror."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MIRROR_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    UPLOAD_ID_FIELD_NUMBER: _builtins.int
+    mirror: _builtins.str
+    key: _builtins.str
+    upload_id: _builtins.str
+    """Empty for a single PUT."""
+    def __init__(
+        self,
+        *,
+        mirror: _builtins.str = ...,
+        key: _builtins.str = ...,
+        upload_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "mirror", b"mirror", "upload_id", b"upload_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DirectUploadRef: _TypeAlias = DirectUploadRef  # noqa: Y015
+
+@_typing.final
+class DirectCopyPlan(_message.Message):
+    """A further copy of a plan: the same bytes to another mirror, presigned as the first."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class HeadersEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    MIRROR_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    URL_FIELD_NUMBER: _builtins.int
+    HEADERS_FIELD_NUMBER: _builtins.int
+    UPLOAD_ID_FIELD_NUMBER: _builtins.int
+    PART_URLS_FIELD_NUMBER: _builtins.int
+    PARTS_PRESENT_FIELD_NUMBER: _builtins.int
+    mirror: _builtins.str
+    key: _builtins.str
+    url: _builtins.str
+    upload_id: _builtins.str
+    @_builtins.property
+    def headers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def part_urls(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def parts_present(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        mirror: _builtins.str = ...,
+        key: _builtins.str = ...,
+        url: _builtins.str = ...,
+        headers: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        upload_id: _builtins.str = ...,
+        part_urls: _abc.Iterable[_builtins.str] | None = ...,
+        parts_present: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["headers", b"headers", "key", b"key", "mirror", b"mirror", "part_urls", b"part_urls", "parts_present", b"parts_present", "upload_id", b"upload_id", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DirectCopyPlan: _TypeAlias = DirectCopyPlan  # noqa: Y015
 
 @_typing.final
 class DirectPutPlan(_message.Message):
@@ -509,6 +614,7 @@ class DirectPutPlan(_message.Message):
     UPLOAD_ID_FIELD_NUMBER: _builtins.int
     PART_URLS_FIELD_NUMBER: _builtins.int
     PARTS_PRESENT_FIELD_NUMBER: _builtins.int
+    COPIES_FIELD_NUMBER: _builtins.int
     mirror: _builtins.str
     """The mirror and object the upload goes to, for FinishDirectPut."""
     key: _builtins.str
@@ -530,6 +636,10 @@ class DirectPutPlan(_message.Message):
     def part_urls(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def parts_present(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def copies(self) -> _containers.RepeatedCompositeFieldContainer[Global___DirectCopyPlan]:
+        """The further copies asked for (DirectPutRequest.copies), each to another mirror."""
+
     def __init__(
         self,
         *,
@@ -542,10 +652,11 @@ class DirectPutPlan(_message.Message):
         upload_id: _builtins.str = ...,
         part_urls: _abc.Iterable[_builtins.str] | None = ...,
         parts_present: _abc.Iterable[_builtins.int] | None = ...,
+        copies: _abc.Iterable[Global___DirectCopyPlan] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stored", b"stored"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_seconds", b"expires_seconds", "headers", b"headers", "key", b"key", "mirror", b"mirror", "part_urls", b"part_urls", "parts_present", b"parts_present", "stored", b"stored", "upload_id", b"upload_id", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copies", b"copies", "expires_seconds", b"expires_seconds", "headers", b"headers", "key", b"key", "mirror", b"mirror", "part_urls", b"part_urls", "parts_present", b"parts_present", "stored", b"stored", "upload_id", b"upload_id", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -560,6 +671,7 @@ class FinishDirectPutRequest(_message.Message):
     KEY_FIELD_NUMBER: _builtins.int
     UPLOAD_ID_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
+    COPIES_FIELD_NUMBER: _builtins.int
     sha256: _builtins.str
     mirror: _builtins.str
     key: _builtins.str
@@ -568,6 +680,13 @@ class FinishDirectPutRequest(_message.Message):
     hold that many bytes.
     """
     size: _builtins.int
+    @_builtins.property
+    def copies(self) -> _containers.RepeatedCompositeFieldContainer[Global___DirectUploadRef]:
+        """The further copies uploaded (a copy the client could not upload is left out: the vault's
+        queue makes it). The vault reads the first back; it takes each of these once its store
+        holds it with the checksums of the first.
+        """
+
     def __init__(
         self,
         *,
@@ -576,10 +695,11 @@ class FinishDirectPutRequest(_message.Message):
         key: _builtins.str = ...,
         upload_id: _builtins.str = ...,
         size: _builtins.int = ...,
+        copies: _abc.Iterable[Global___DirectUploadRef] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "mirror", b"mirror", "sha256", b"sha256", "size", b"size", "upload_id", b"upload_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copies", b"copies", "key", b"key", "mirror", b"mirror", "sha256", b"sha256", "size", b"size", "upload_id", b"upload_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
