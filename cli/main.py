@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 from cli.access import add_access_commands
-from cli.commands import add_command, lazy
+from cli.commands import add_command, add_global_options, lazy
 from cli.dataset import add_dataset_commands
 from cli.mirror import add_mirror_commands
 from cli.output import (
@@ -504,17 +504,13 @@ def build_parser(*, lazy_commands: bool = False) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="vault", description="pinvault: a verifiable pin vault and content store."
     )
-    parser.add_argument("--config", help="TOML config file (default: $PINVAULT_CONFIG)")
-    parser.add_argument(
-        "--server", help="vault server address (default: client.server, 127.0.0.1:7411)"
-    )
-    parser.add_argument(
-        "--data-dir", help="data folder for `serve` (default: ~/.local/share/pinvault)"
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    add_global_options(parser)
     if lazy_commands:
         lazy(parser)
-    parser.epilog = "Exit statuses: docs/cli.md (0 ok, 2 usage, 64-78 by kind of failure)."
+    parser.epilog = (
+        "The options above may also follow the command (vault mirror add --config F). "
+        "Exit statuses: docs/cli.md (0 ok, 2 usage, 64-78 by kind of failure)."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     add_serve_command(sub)

@@ -222,6 +222,13 @@ def _repair(args: argparse.Namespace, config: Config) -> int:
         report = mirror_admin.repair(config, progress=lambda _: bar.advance(1))
     finally:
         bar.close()
+    # Every copy found bad and what became of it goes to the log too (the journal of the
+    # host's service manager), as the server logs the repairs it makes itself.
+    import logging
+
+    log = logging.getLogger("pinvault.mirror")
+    for event in report.events:
+        log.log(logging.ERROR if "data loss" in event else logging.WARNING, "repair: %s", event)
     if args.json:
         print_json(
             {

@@ -60,9 +60,12 @@ def add_run_commands(sub: Any, connect: Connect) -> None:
         "replay",
         partial(_replay_arguments, connect=connect),
         help="resubmit a published run with its recorded inputs and seed",
-        usage="vault replay MANIFEST_DIGEST [--team TEAM] [-- SBATCH_ARGS...]",
+        usage="vault replay MANIFEST_DIGEST [--team TEAM] [-- SBATCH_ARGS...]\n"
+        "       vault replay --check RUN [--json] [-- SBATCH_ARGS...]",
         description="Everything after -- goes to sbatch (options, then the batch script); "
-        "a team runs a limited number of replays at once.",
+        "a team runs a limited number of replays at once. With --check, every pinned input "
+        "and output of the run is fetched and verified and what a replay would submit is "
+        "printed; nothing is submitted or appended, and no Slurm is needed.",
     )
 
 
@@ -108,8 +111,16 @@ def _run_arguments(p: argparse.ArgumentParser, *, connect: Connect) -> None:
 
 
 def _replay_arguments(p: argparse.ArgumentParser, *, connect: Connect) -> None:
-    p.add_argument("manifest", metavar="MANIFEST_DIGEST")
+    p.add_argument(
+        "manifest", metavar="MANIFEST_DIGEST", help="the run manifest's digest, or the run id"
+    )
     p.add_argument("--team", default="", help="default: client.team, or your credential's team")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="verify every pinned input and output of the run and print what would be "
+        "submitted; submit nothing",
+    )
     p.add_argument(
         "--json", action="store_true", help="one JSON object at the end instead of the steps"
     )
@@ -504,7 +515,78 @@ def _launched(job: str, admission: Admission) -> None:
     sys.stdout.flush()
 
 
+def _replay_check(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    """`vault replay --check`: what a reviewer without a cluster can verify of a run."""
+    import hashlib
+    import shlex
+
+    from vault.errors import InvalidArgument
+    from vault.runs.check import MAX_SCRIPT_BYTES, Checked, check_run
+
+    if args.team:
+        raise InvalidArgument("--team is a replay's: a check admits nothing")
+    sbatch_args = list(args.sbatch_args)
+    given = batch_script(sbatch_args)
+    script: tuple[str, bytes] | None = None
+    if given is not None:
+        # Hashed here, not stored: a check leaves the vault as it found it.
+        with given.open("rb") as file:
+            data = file.read(MAX_SCRIPT_BYTES + 1)
+        if len(data) > MAX_SCRIPT_BYTES:
+            raise InvalidArgument(f"batch script {given} is over {MAX_SCRIPT_BYTES} bytes")
+        script = ("sha256:" + hashlib.sha256(data).hexdigest(), data)
+    elif sbatch_args:
+        raise InvalidArgument(
+            "no batch script among sbatch's arguments after --: name an existing file, or "
+            "give none to check the one the run manifest records"
+        )
+
+    def shown_step(item: Checked) -> None:
+        _step("✓", item.what, f"{_short(item.digest)}  {item.detail}")
+
+    with connect(config) as client:
+        result = check_run(
+            client,
+            args.manifest,
+            sbatch_args=sbatch_args,
+            script=script,
+            on_checked=None if args.json else shown_step,
+        )
+    command = ["sbatch", "--parsable", *result.sbatch_args]
+    text = result.script_text.decode("utf-8", "replace")
+    if args.json:
+        print_json(
+            {
+                "run_id": result.sealed.run_id,
+                "manifest": result.sealed.digest,
+                "team": result.sealed.team,
+                "checked": [
+                    {"what": c.what, "digest": c.digest, "detail": c.detail} for c in result.checked
+                ],
+                "submitted": False,
+                "sbatch": command,
+                "environment": result.pins,
+                "script": result.script,
+                "script_text": text,
+            }
+        )
+        return 0
+    _step("→", "would submit", shlex.join(command))
+    for name, value in result.pins.items():
+        _step("→", "with", f"{name}={value}")
+    _step("→", "and from the admission", "PINVAULT_RUN_ID, PINVAULT_TEAM, PINVAULT_REPLAY_LEASE")
+    origin = "given" if script is not None else "replay.sbatch, recorded in the run manifest"
+    print(f"--- batch script {result.script} ({shown(origin)}) ---")
+    for line in text.splitlines():
+        print(shown(line))
+    print("--- end of batch script ---")
+    print("nothing was submitted or appended: run ./replicate.sh (vault replay) to submit it")
+    return 0
+
+
 def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> int:
+    if args.check:
+        return _replay_check(args, config, connect=connect)
     import tempfile
     from pathlib import Path
 

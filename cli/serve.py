@@ -45,6 +45,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace, config: Config) -> int:
+    _check_listen(args.listen or config.server.listen)
     from vault.server.sequencer import Ahead
 
     # The ledger's sequencer process starts first, and imports its code while this one imports
@@ -76,6 +77,35 @@ def _serve_with(args: argparse.Namespace, config: Config, ahead: Ahead | None) -
         explorer_http=explorer,
         sequencer=ahead,
     )
+
+
+def _check_listen(listen: str) -> None:
+    """Refuse an address this host cannot listen on (a port in use, a host not its own) in one
+    line, before anything is made for the server: its key, its sequencer, its database."""
+    import socket
+
+    from vault.errors import Unavailable
+
+    host, sep, port = listen.rpartition(":")
+    if listen.startswith("unix:") or not (sep and host and port.isdigit()) or int(port) == 0:
+        # A Unix socket, any port, or an address the server refuses in its own words.
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, OverflowError) as exc:
+        raise Unavailable(f"cannot listen on {listen}: {exc}") from None
+    with socket.socket(family, kind, proto) as probe:
+        # As gRPC binds: a port whose last server's connections linger is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise Unavailable(
+                f"cannot listen on {listen}: {exc.strerror or exc} (is another server using "
+                "it? choose another with --listen or server.listen)"
+            ) from None
 
 
 def _host_port(option: str, text: str) -> tuple[str, int]:

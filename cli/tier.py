@@ -184,7 +184,28 @@ def _repair(args: argparse.Namespace, config: Config) -> int:
     from vault.errors import IntegrityError, Unavailable
     from vault.server import tier_admin
 
-    sha256, copies = tier_admin.repair(config, args.digest, Path(args.source))
+    try:
+        sha256, copies = tier_admin.repair(config, args.digest, Path(args.source))
+    except tier_admin.HeldByServer:
+        raise Unavailable(
+            "a running `vault serve` holds the warm tier: `vault scrub` has it rewrite every "
+            "damaged copy from a good one on another tier or mirror; if no good copy is left, "
+            f"stop the server, run `vault repair {args.digest} --from {args.source}`, then "
+            "start it again"
+        ) from None
+    import logging
+
+    log = logging.getLogger("pinvault.tiers")
+    for copy in copies:
+        if copy.found:
+            log.warning(
+                "repair of %s from %s: %s: %s; %s",
+                sha256,
+                args.source,
+                copy.tier,
+                copy.found,
+                copy.done,
+            )
     failed = [copy for copy in copies if copy.good is False]
     rewritten = [copy for copy in copies if copy.found and copy.good]
     if args.json:

@@ -31,6 +31,8 @@ HEAVY = (
 # What `vault stat` must not load: the server and everything under it, and what only other
 # commands use (the run library, the HTTP edge of the webhook, the store's caches).
 NOT_FOR_STAT = (
+    # It verifies no signature: the pins it lists are the vault's word (`lookup` proves them).
+    "cryptography",
     "sqlalchemy",
     "psycopg",
     "vault.server",
@@ -101,3 +103,18 @@ def test_vault_stat_loads_the_client_but_not_the_server_nor_other_commands_modul
     assert status == 0 and f"sha256     {digest}" in out, out
     assert "vault.client.client" in modules and "grpc" in modules
     assert loaded(modules, NOT_FOR_STAT) == []
+
+
+def test_only_a_command_that_verifies_a_signature_loads_the_signature_code(
+    vault_server: VaultServer,
+) -> None:
+    with vault_server.client() as client:
+        digest = client.put(b"a blob to pin and stat\n").blob.sha256
+        client.pin("dataset", [str(digest)])
+    status, out, modules = imported("stat", str(digest), server=vault_server.address)
+    assert status == 0 and "dataset" in out, out
+    assert loaded(modules, ("cryptography",)) == []
+    # A look-up proves the pins against the signed checkpoint: it needs the signature code.
+    status, out, modules = imported("lookup", str(digest), server=vault_server.address)
+    assert status == 0 and "dataset" in out, out
+    assert "cryptography.hazmat.primitives.asymmetric.ed25519" in modules

@@ -8,9 +8,7 @@ import contextlib
 import math
 import os
 import re
-import secrets
 import socket
-import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -47,13 +45,18 @@ JOB_VARIABLES: Final = frozenset(
 )
 
 
+# The port a vault listens on, and the one a client calls when its server address names none.
+DEFAULT_PORT: Final = 7411
+
 ENV_PREFIX = "PINVAULT_"
 CONFIG_ENV = "PINVAULT_CONFIG"
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    listen: str = "127.0.0.1:7411"
+    """The [server] section: where and how `vault serve` listens."""
+
+    listen: str = f"127.0.0.1:{DEFAULT_PORT}"
     workers: int = 32
     # Let clients on this host hand their files over a Unix socket (handoff.sock in the data
     # folder) rather than stream the bytes of big puts and gets through gRPC.
@@ -76,6 +79,8 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class LedgerConfig:
+    """The [ledger] section: the ledger's database and checkpoints."""
+
     # SQLAlchemy URL; empty means SQLite in the data folder.
     database: str = ""
     # The checkpoint origin line; empty means pinvault/<host name>.
@@ -96,6 +101,8 @@ class LedgerConfig:
 
 @dataclass(frozen=True)
 class StoreConfig:
+    """The [store] section: the folders of the hot and warm tiers."""
+
     # The hot tier's folder; empty means hot/ in the data folder.
     hot_dir: str = ""
     # The warm tier's archive folder; empty means no warm tier.
@@ -104,6 +111,8 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class AdmissionConfig:
+    """The [admission] section: how jobs are admitted and replays counted."""
+
     # Seconds an input's content, once re-hashed, is trusted before admission re-hashes it.
     verify_interval: float = 600.0
     # Replays one team may run at once.
@@ -118,6 +127,8 @@ class AdmissionConfig:
 
 @dataclass(frozen=True)
 class AuthConfig:
+    """The [auth] section: who may call the vault, and its TLS files."""
+
     # local: one user, no credential, loopback or a Unix socket only. credentials: every call
     # carries a bearer token or a client certificate (see `vault token`, `vault keys`).
     mode: str = "local"
@@ -160,7 +171,9 @@ def check_role(role: str) -> str:
 
 @dataclass(frozen=True)
 class ClientConfig:
-    server: str = "127.0.0.1:7411"
+    """The [client] section: the server a command talks to and how it trusts it."""
+
+    server: str = f"127.0.0.1:{DEFAULT_PORT}"
     # The last verified checkpoint; empty means one file per ledger (its origin and key) under
     # the XDG state folder, shared by every address the ledger is reached at.
     state_file: str = ""
@@ -268,7 +281,27 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True)
+class RegistryConfig:
+    """The [registry] section: the OCI Distribution API (docs/registry.md), on a port of its
+    own. Pull needs a token that may read, push one that may write."""
+
+    # host:port it listens on (port 0: one the system picks, logged at start); empty: none.
+    listen: str = ""
+    # Pulls without a token (pushes always need one).
+    anonymous_pull: bool = False
+    # Blob uploads one caller may have open at once, and the bytes one upload may reach.
+    uploads_per_caller: int = 8
+    max_upload_bytes: int = 16 * 1024**3
+    # Seconds an upload may sit without a request before it is dropped.
+    upload_timeout: float = 3600.0
+    # Bytes a second an upload's body must average (a slower caller is cut off).
+    min_upload_rate: int = 64 * 1024
+
+
+@dataclass(frozen=True)
 class Config:
+    """The whole configuration: the data folder and one section a table."""
+
     data_dir: str = ""
     server: ServerConfig = field(default_factory=ServerConfig)
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
@@ -279,6 +312,7 @@ class Config:
     mirrors: MirrorsConfig = field(default_factory=MirrorsConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     witnesses: WitnessesConfig = field(default_factory=WitnessesConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
 
     # ---------------------------------------------------------------- derived
 
@@ -375,6 +409,10 @@ _RANGES: Final[Mapping[str, tuple[float, float]]] = {
     "witnesses.quorum": (0, 64),
     "witnesses.timeout": (0.1, 600.0),
     "witnesses.refresh": (0.5, 86_400.0),
+    "registry.uploads_per_caller": (1, 4096),
+    "registry.max_upload_bytes": (1, 1 << 50),
+    "registry.upload_timeout": (1.0, 7 * 86_400.0),
+    "registry.min_upload_rate": (1, 1 << 40),
 }
 # Settings whose 0 means none or off, allowed beside their range.
 _ZERO_IS_OFF: Final = frozenset(
@@ -471,6 +509,9 @@ def load(path: str | None = None, environ: Mapping[str, str] | None = None) -> C
     config = Config()
     file = file_path(path, env)
     if file is not None:
+        # Loaded only for a file: a command configured by its environment alone starts without.
+        import tomllib
+
         try:
             with open(file, "rb") as f:
                 values = tomllib.load(f)
@@ -521,6 +562,8 @@ def updating(path: Path, section: str) -> Iterator[dict[str, str | int]]:
     before the block runs, so that a file that cannot be rewritten is refused first; the new
     file takes the old one's mode and replaces it in one rename, and only if the old one is
     still as it was read (its owner kept too, where this process may)."""
+    import tomllib
+
     import tomlkit
     from tomlkit.exceptions import TOMLKitError
 
@@ -533,7 +576,7 @@ def updating(path: Path, section: str) -> Iterator[dict[str, str | int]]:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
     except (UnicodeDecodeError, TOMLKitError) as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    temp = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
+    temp = target.with_name(f".{target.name}.{os.urandom(8).hex()}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(temp, flags, 0o600)

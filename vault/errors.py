@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 from typing import ClassVar, Final
 
 from vault.files import size_text
@@ -109,6 +108,8 @@ class DiskFull(ResourceExhausted):
     def __init__(self, folder: str | os.PathLike[str], *, needed: int) -> None:
         self.folder = os.fspath(folder)
         self.needed = needed
+        import shutil  # here, not above: every command imports this module, few fill a disk
+
         try:
             free = f"{size_text(shutil.disk_usage(self.folder).free)} free"
         except OSError:

@@ -10,6 +10,7 @@ from typing import Any, Final
 
 import grpc
 
+from vault.config import DEFAULT_PORT
 from vault.errors import (
     ConfigError,
     FailedPrecondition,
@@ -22,6 +23,9 @@ from vault.errors import (
     Unavailable,
     VaultError,
 )
+
+# gRPC's name resolvers: a target starting with one of these is not HOST[:PORT].
+_SCHEMES: Final = frozenset({"unix", "unix-abstract", "vsock", "dns", "ipv4", "ipv6"})
 
 CHANNEL_OPTIONS: Final = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -106,6 +110,20 @@ class _Bearer(
 
     def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
         return continuation(self._details(details), requests)
+
+
+def with_default_port(target: str) -> str:
+    """`target` with the vault's port added when it names a host alone (gRPC would call port
+    443): `HOST`, `[IPv6]` or a bare IPv6 address. A target with a port, or with a scheme
+    (unix:PATH, dns:///HOST…), is left as it is."""
+    host = target.strip()
+    if not host or host.split(":", 1)[0] in _SCHEMES:
+        return target
+    if host.startswith("["):
+        return host if "]:" in host else f"{host}:{DEFAULT_PORT}"
+    if host.count(":") > 1:
+        return f"[{host}]:{DEFAULT_PORT}"
+    return host if ":" in host else f"{host}:{DEFAULT_PORT}"
 
 
 def open_channel(target: str, credentials: Credentials | None = None) -> grpc.Channel:

@@ -8,28 +8,31 @@ from __future__ import annotations
 import getpass
 import os
 import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-from vault.client.audit import CHUNK, audit_in_chunks
-from vault.client.channel import Credentials, open_channel, rpc_errors
-from vault.client.direct import get_direct, put_direct
+from vault.client.channel import Credentials, open_channel, rpc_errors, with_default_port
 from vault.client.proofs import check_inclusion, check_proven, names_any, not_about
-from vault.client.reader import BlobReader
 from vault.client.results import Admission, BlobInfo, ProvenEntry, PutResult, Stat
 from vault.client.state import LedgerStates, StateFile, TrustState
-from vault.client.transfer import Transfer
 from vault.client.trust import DEFAULT_MAX_WITNESS_AGE
 from vault.digest import Digest
 from vault.errors import IntegrityError, InvalidArgument, NotFound, VaultError, VerificationError
-from vault.ledger.audit import Auditor, AuditReport
 from vault.ledger.checkpoint import Checkpoint, Verifier
 from vault.ledger.cosignature import Cosignature, WitnessPolicy
 from vault.ledger.entry import Entry
 from vault.ledger.runid import RunInputs
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
+
+# Transfers, direct transfers and the audit load when first used: a command that only looks
+# something up (`vault stat` in a scheduler's prologue) starts without them.
+if TYPE_CHECKING:
+    from vault.client.reader import BlobReader
+    from vault.client.transfer import Transfer
+    from vault.ledger.audit import AuditReport
 
 
 def default_author() -> str:
@@ -73,6 +76,7 @@ class VaultClient:
         if state and state_folder:
             raise InvalidArgument("a client keeps its trust state in a file or a folder, not both")
         self.witnesses = _witness_policy(witnesses, min_witnesses)
+        target = with_default_port(target)
         self.target = target
         self.channel = open_channel(target, credentials)
         self.store = rpc.StoreStub(self.channel)
@@ -97,9 +101,20 @@ class VaultClient:
         )
         # Whether this client has verified a checkpoint of the vault (see `pin`).
         self._vouched = False
-        self._transfer = Transfer(self.store, timeout)
+        self._transfer_lock = threading.Lock()
+        self._transfer_made: Transfer | None = None
         # blake3 digest -> the sha256 digest this client computed from the same bytes.
         self._aliases: dict[Digest, Digest] = {}
+
+    @property
+    def _transfer(self) -> Transfer:
+        # Made on first use, once, for every thread that shares the client.
+        with self._transfer_lock:
+            if self._transfer_made is None:
+                from vault.client.transfer import Transfer
+
+                self._transfer_made = Transfer(self.store, self.timeout)
+            return self._transfer_made
 
     def close(self) -> None:
         """End the connection."""
@@ -145,6 +160,8 @@ class VaultClient:
         parts, each bound to its own SHA-256; with `uploads` (a folder), an upload in parts
         cut short is resumed by the next put of the same file, which sends only the parts
         missing."""
+        from vault.client.direct import put_direct
+
         return put_direct(
             self.store,
             self.timeout,
@@ -157,6 +174,8 @@ class VaultClient:
         """Write a verified blob to `path`, read straight from a mirror copy in the vault's
         object store with a request the vault signs; checked here against the digest, as every
         read is, before the file appears."""
+        from vault.client.direct import get_direct
+
         return get_direct(self.store, self.timeout, digest, Path(path))
 
     def put_many(
@@ -572,7 +591,7 @@ class VaultClient:
         progress: Callable[[int, int], None] | None = None,
         *,
         workers: int = 1,
-        chunk: int = CHUNK,
+        chunk: int | None = None,
     ) -> AuditReport:
         """Re-derive the whole ledger from the server's stored rows (see vault.ledger.audit).
         The stored entries are checked against the vault's latest checkpoint too (with
@@ -581,7 +600,9 @@ class VaultClient:
         shows this client a history other than the one it saw before fails its audit
         (RollbackError or VerificationError naming the sizes). With more than one worker and a
         ledger of at least two chunks, worker processes audit chunks of `chunk` entries side by
-        side (see vault.client.audit); the report is the same."""
+        side (see vault.client.audit; `chunk` defaults to its CHUNK); the report is the same."""
+        from vault.client.audit import CHUNK
+
         refusal: VaultError | None = None
         try:
             latest: str | None = self.checkpoint_note(verify=self.witnesses is not None)
@@ -591,7 +612,9 @@ class VaultClient:
             latest, refusal = None, exc
         with self._trust.trusted() as trusted:
             verifier, origin = trusted.verifier, trusted.origin
-        report = self._audit(verifier, origin, latest, progress, workers, chunk)
+        report = self._audit(
+            verifier, origin, latest, progress, workers, CHUNK if chunk is None else chunk
+        )
         if latest is None:
             if report.ok and refusal is not None:
                 raise refusal
@@ -609,6 +632,9 @@ class VaultClient:
         workers: int,
         chunk: int,
     ) -> AuditReport:
+        from vault.client.audit import audit_in_chunks
+        from vault.ledger.audit import Auditor
+
         with rpc_errors():
             notes = [
                 n

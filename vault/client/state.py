@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -74,7 +73,7 @@ class StateFile:
     def _write(self, state: dict[str, Any]) -> None:
         """Replace the state file atomically, through a new file of a random name (O_EXCL|
         O_NOFOLLOW, mode 0600: nothing planted beside it is followed), removed on failure."""
-        tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(8)}.tmp")
+        tmp = self.path.with_name(f".{self.path.name}.{os.urandom(8).hex()}.tmp")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(tmp, flags, 0o600)
         try:

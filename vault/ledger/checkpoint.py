@@ -8,14 +8,9 @@ import binascii
 import hashlib
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Final, Self
-
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from vault.errors import InvalidArgument, VerificationError
 from vault.ledger.merkle import HASH_SIZE
@@ -153,6 +148,10 @@ class NoteKey:
             )
         if len(public_key) != 32:
             raise InvalidArgument(f"an Ed25519 public key is 32 bytes, found {len(public_key)}")
+        # Loaded with the first key, not the module: a command that verifies no signature
+        # (`vault stat`) starts without the signature code.
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
         self._name = name
         self._public = bytes(public_key)
         self._key = Ed25519PublicKey.from_public_bytes(self._public)
@@ -267,6 +266,8 @@ class Verifier(NoteKey):
             raise VerificationError(
                 f"note refused: it has {len(lines)} signatures (at most {MAX_SIGNATURES})"
             )
+        from cryptography.exceptions import InvalidSignature
+
         message = text.encode("utf-8")
         verified = False
         others: list[str] = []
@@ -316,6 +317,9 @@ class SigningKey:
     def __init__(self, name: str, seed: bytes) -> None:
         if len(seed) != 32:
             raise InvalidArgument(f"an Ed25519 seed is 32 bytes, found {len(seed)}")
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
         self._key = Ed25519PrivateKey.from_private_bytes(bytes(seed))
         self._seed = bytes(seed)
         public = self._key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
@@ -381,6 +385,8 @@ class SigningKey:
         or the whole key. Without `overwrite`, an existing key file is never replaced."""
         target = Path(path)
         folder = target.parent
+        import tempfile
+
         fd, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
         try:
             os.fchmod(fd, 0o600)

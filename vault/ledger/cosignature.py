@@ -10,8 +10,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from cryptography.exceptions import InvalidSignature
-
 from vault.errors import InvalidArgument, VerificationError
 from vault.ledger.checkpoint import (
     ALG_ED25519,
@@ -83,6 +81,8 @@ class WitnessKey(NoteKey):
                 f"cosignature by witness {self.label} is {len(signature)} bytes, not "
                 f"{SIGNATURE_SIZE}: it was truncated or altered"
             )
+        from cryptography.exceptions import InvalidSignature
+
         (timestamp,) = struct.unpack(">Q", signature[:TIMESTAMP_SIZE])
         try:
             self._key.verify(signature[TIMESTAMP_SIZE:], cosigned_message(timestamp, body))

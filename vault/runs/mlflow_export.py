@@ -14,12 +14,14 @@ import io
 import json
 import os
 import ssl
+import sys
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Final
 
@@ -29,7 +31,6 @@ from vault.runs.manifest import RECORDED_VARIABLES, RunManifest
 from vault.runs.metrics import RunMetrics
 from vault.runs.sealed import SealedRun
 
-INSTALL_HINT: Final = "pip install 'pinvault[mlflow]'"
 OUTPUTS_ARTIFACT: Final = "pinvault/outputs.json"
 MANIFEST_ARTIFACT: Final = "pinvault/run-manifest.json"
 OUTPUTS_TYPE: Final = "pinvault.mlflow-outputs"
@@ -55,6 +56,18 @@ MLFLOW_DEFAULTS: Final = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
 }
 _FINISHED: Final = "FINISHED"
+
+
+def install_hint(extra: str, prefix: Path | None = None) -> str:
+    """How to add pinvault's `extra` where this interpreter's environment (`prefix`) came from:
+    a `uv tool install` (its receipt beside the environment) or pipx is installed again with
+    the extra, since a pip install into either is undone by their next upgrade."""
+    where = Path(sys.prefix) if prefix is None else prefix
+    if (where / "uv-receipt.toml").is_file():
+        return f"uv tool install 'pinvault[{extra}]' (this vault was installed with uv tool)"
+    if (where / "pipx_metadata.json").is_file():
+        return f"pipx install --force 'pinvault[{extra}]' (this vault was installed with pipx)"
+    return f"pip install 'pinvault[{extra}]'"
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +206,7 @@ class MlflowTarget:
             tracking: ModuleType = importlib.import_module("mlflow.tracking")
         except ImportError as exc:
             raise FailedPrecondition(
-                f"exporting to MLflow needs MLflow's client ({exc}): {INSTALL_HINT}"
+                f"exporting to MLflow needs MLflow's client ({exc}): {install_hint('mlflow')}"
             ) from None
         self._client: Any = tracking.MlflowClient(tracking_uri=tracking_uri)
 
