@@ -12,18 +12,27 @@ queue (beyond it: 503 with Retry-After), so no request costs a thread of its own
 Why not aiohttp or uvicorn: they bound an idle keep-alive connection and each read, not the
 total time of a request head, so a caller sending one byte every few seconds still holds them.
 Here a connection costs a coroutine, not a thread, and h11 parses HTTP/1.1 without doing any I/O,
-so the deadlines are ours."""
+so the deadlines are ours.
+
+An edge whose `Limits.min_body_rate` is set takes large bodies (an OCI registry's blob uploads)
+as a stream: its handler starts once the head is in and reads the body in pieces of at most
+1 MiB, each read from the socket only when the handler asks for it, so memory stays bounded
+whatever the size; the body's deadline then grows with what has arrived (`body_seconds` plus
+one second for every `min_body_rate` bytes), and the handler's own `work_seconds` start once
+the body has ended. An answer may be a stream too (`Response.stream`), pulled one piece at a
+time on a worker thread, each piece written within `write_seconds`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import ssl
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Final, Self
@@ -37,6 +46,8 @@ log = logging.getLogger(__name__)
 TEXT: Final = "text/plain; charset=utf-8"
 NOT_CACHED: Final = "no-store"
 _READ_SIZE: Final = 64 * 1024
+# The most of a streamed body handed to its handler in one piece (fewer hops between threads).
+_STREAM_PIECE: Final = 1024 * 1024
 # What a caller turned away at the caps is given, from the event loop, without waiting on it.
 _BUSY: Final = (
     b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: text/plain\r\n"
@@ -67,6 +78,9 @@ class Limits:
     # Requests waiting for a worker; one more is answered 503 at once.
     queue: int = 32
     methods: frozenset[str] = frozenset({"GET", "HEAD"})
+    # Bytes a second a streamed body must average; 0: bodies are read whole before the handler
+    # runs, within body_seconds. When set, max_body_bytes bounds a streamed body.
+    min_body_rate: int = 0
 
     def __post_init__(self) -> None:
         for name in ("head_seconds", "body_seconds", "write_seconds", "work_seconds"):
@@ -75,8 +89,8 @@ class Limits:
         for name in ("max_head_bytes", "per_address", "connections", "workers"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} is at least 1, not {getattr(self, name)}")
-        if self.max_body_bytes < 0 or self.queue < 0:
-            raise InvalidArgument("max_body_bytes and queue are 0 or more")
+        if self.max_body_bytes < 0 or self.queue < 0 or self.min_body_rate < 0:
+            raise InvalidArgument("max_body_bytes, queue and min_body_rate are 0 or more")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +103,8 @@ class Request:
     headers: tuple[tuple[str, str], ...]
     body: bytes
     peer: str
+    # With Limits.min_body_rate: the body, read as it comes (then `body` is empty).
+    stream: BodyStream | None = None
 
     def header(self, name: str) -> list[str]:
         """Every value of the header `name` (any case), in the order sent."""
@@ -105,6 +121,11 @@ class Response:
     headers: tuple[tuple[str, str], ...] = ()
     # End the connection after this answer.
     close: bool = False
+    # An answer too large to hold: its pieces, pulled on a worker thread, and their total
+    # length, sent as Content-Length (`body` is then unused). A piece that fails ends the
+    # connection before the announced length is reached, so no client takes it for whole.
+    stream: Iterator[bytes] | None = None
+    length: int = 0
 
     @classmethod
     def text(
@@ -121,6 +142,99 @@ class Response:
 
 
 Handler = Callable[[Request], Response]
+
+
+class BodyError(Exception):
+    """A streamed body that cannot be read to its end (too slow, too large, cut off): raised
+    by `BodyStream.read` in the handler, and answered `status` by the edge if it escapes."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class BodyStream:
+    """A request body read by the handler's thread as the caller sends it."""
+
+    def __init__(
+        self,
+        http: h11.Connection,
+        reader: asyncio.StreamReader,
+        loop: asyncio.AbstractEventLoop,
+        limits: Limits,
+    ) -> None:
+        self._http = http
+        self._reader = reader
+        self._loop = loop
+        self._limits = limits
+        self._began = loop.time()
+        self.received = 0
+        self.ended = asyncio.Event()
+        self._failure: BodyError | None = None
+        # What h11 already holds, read without waiting: all of a body that is empty.
+        self._held = b""
+        held = http.next_event()
+        if isinstance(held, h11.EndOfMessage):
+            self.ended.set()
+        elif isinstance(held, h11.Data):
+            self._held = bytes(held.data)
+            self.received = len(self._held)
+
+    def _deadline(self) -> float:
+        limits = self._limits
+        return self._began + limits.body_seconds + self.received / limits.min_body_rate
+
+    def read(self) -> bytes:
+        """The next piece of the body; b"" once it has all come. BodyError if it cannot."""
+        if self._failure is not None:
+            raise self._failure
+        if self._held:
+            held, self._held = self._held, b""
+            return held
+        if self.ended.is_set():
+            return b""
+        future = asyncio.run_coroutine_threadsafe(self._next(), self._loop)
+        try:
+            return future.result(timeout=max(0.0, self._deadline() - self._loop.time()) + 5.0)
+        except BodyError as exc:
+            self._failure = exc
+            raise
+        except (Exception, CancelledError):
+            # The edge stopping (its tasks cancelled) or its loop gone: the answer goes nowhere.
+            self._failure = BodyError(408, "the request's body was cut off")
+            raise self._failure from None
+
+    def __iter__(self) -> Iterator[bytes]:
+        while piece := self.read():
+            yield piece
+
+    async def _next(self) -> bytes:
+        """Up to _STREAM_PIECE bytes of the body, as soon as that much has come or it ends."""
+        pieces: list[bytes] = []
+        size = 0
+        while size < _STREAM_PIECE:
+            try:
+                async with asyncio.timeout_at(self._deadline()):
+                    part = await _next_event(self._http, self._reader, _STREAM_PIECE)
+            except TimeoutError:
+                self.ended.set()
+                raise BodyError(408, "the request's body came too slowly") from None
+            except h11.RemoteProtocolError as exc:
+                self.ended.set()
+                raise BodyError(exc.error_status_hint, f"bad request: {exc}") from None
+            if isinstance(part, h11.EndOfMessage):
+                self.ended.set()
+                break
+            if not isinstance(part, h11.Data):
+                self.ended.set()
+                raise BodyError(400, "the request's body was cut off")
+            self.received += len(part.data)
+            if self.received > self._limits.max_body_bytes:
+                self.ended.set()
+                raise BodyError(413, f"the body is more than {self._limits.max_body_bytes} bytes")
+            pieces.append(bytes(part.data))
+            size += len(part.data)
+        return b"".join(pieces)
 
 
 @dataclass(eq=False, slots=True)
@@ -232,7 +346,10 @@ class Edge:
 
     async def _main(self, listening: socket.socket, ready: threading.Event) -> None:
         try:
-            server = await asyncio.start_server(self._connected, sock=listening, limit=_READ_SIZE)
+            # A streamed body is read in larger pieces, which the stream buffers before its
+            # transport pauses.
+            limit = _STREAM_PIECE if self.limits.min_body_rate else _READ_SIZE
+            server = await asyncio.start_server(self._connected, sock=listening, limit=limit)
             self._loop = asyncio.get_running_loop()
             self._stopping = asyncio.Event()
         except Exception:
@@ -349,6 +466,9 @@ class Edge:
             if request is None:
                 return
             response = await self._work(request)
+            if request.stream is not None and not request.stream.ended.is_set():
+                # The handler left some of the body unread: the connection cannot be reused.
+                response = dataclasses.replace(response, close=True)
             await self._answer(http, writer, response, head=request.method == "HEAD")
             if http.our_state is not h11.DONE or http.their_state is not h11.DONE:
                 return
@@ -381,6 +501,15 @@ class Edge:
                 f"the request is {announced[0]} bytes, more than {limits.max_body_bytes}",
             )
             return None
+        target = event.target.decode("latin-1")
+        if limits.min_body_rate:
+            if http.client_is_waiting_for_100_continue:
+                await self._write(
+                    writer, _sent(http, h11.InformationalResponse(status_code=100, headers=[]))
+                )
+            assert self._loop is not None
+            stream = BodyStream(http, reader, self._loop, limits)
+            return Request(method, target, headers, b"", peer, stream)
         body = bytearray()
         try:
             async with asyncio.timeout(limits.body_seconds):
@@ -406,7 +535,6 @@ class Edge:
         except h11.RemoteProtocolError as exc:
             await self._refuse(http, writer, exc.error_status_hint, f"bad request: {exc}")
             return None
-        target = event.target.decode("latin-1")
         return Request(method, target, headers, bytes(body), peer)
 
     async def _work(self, request: Request) -> Response:
@@ -424,6 +552,14 @@ class Edge:
             self._pending -= 1
 
         future.add_done_callback(done)
+        if request.stream is not None:
+            # The handler's time starts once the body has ended (its own deadline bounds it).
+            either = asyncio.Event()
+            future.add_done_callback(lambda _: either.set())
+            watch = asyncio.ensure_future(request.stream.ended.wait())
+            watch.add_done_callback(lambda _: either.set())
+            await either.wait()
+            watch.cancel()
         try:
             async with asyncio.timeout(limits.work_seconds):
                 return await asyncio.shield(future)
@@ -435,6 +571,8 @@ class Edge:
     def _handle(self, request: Request) -> Response:
         try:
             return self._handler(request)
+        except BodyError as exc:
+            return Response.text(exc.status, str(exc), close=True)
         except Exception:
             log.exception("%s request %s %s failed", self.what, request.method, request.target)
             return Response.text(500, f"the {self.what} server failed; see its log", close=True)
@@ -442,9 +580,10 @@ class Edge:
     async def _answer(
         self, http: h11.Connection, writer: asyncio.StreamWriter, response: Response, *, head: bool
     ) -> None:
+        length = len(response.body) if response.stream is None else response.length
         headers = [
             ("Content-Type", response.content_type),
-            ("Content-Length", str(len(response.body))),
+            ("Content-Length", str(length)),
             ("Cache-Control", response.cache),
             ("X-Content-Type-Options", "nosniff"),
             ("Server", self._server_name),
@@ -453,10 +592,43 @@ class Edge:
         if response.close:
             headers.append(("Connection", "close"))
         data = _sent(http, h11.Response(status_code=response.status, headers=headers))
+        if response.stream is not None:
+            await self._write(writer, data)
+            await self._answer_stream(http, writer, response.stream, head=head)
+            return
         if not head and response.body:
             data += _sent(http, h11.Data(data=response.body))
         data += _sent(http, h11.EndOfMessage())
         await self._write(writer, data)
+
+    async def _answer_stream(
+        self,
+        http: h11.Connection,
+        writer: asyncio.StreamWriter,
+        pieces: Iterator[bytes],
+        *,
+        head: bool,
+    ) -> None:
+        assert self._loop is not None and self._pool is not None
+        try:
+            while not head:
+                piece = await self._loop.run_in_executor(self._pool, next, pieces, None)
+                if piece is None:
+                    break
+                if piece:
+                    await self._write(writer, _sent(http, h11.Data(data=piece)))
+            await self._write(writer, _sent(http, h11.EndOfMessage()))
+        except (OSError, TimeoutError, h11.LocalProtocolError):
+            raise
+        except Exception as exc:
+            # A piece that failed (its check, its read): the connection ends short of the
+            # announced length, which the client sees as a failed transfer.
+            log.warning("%s answer ended early: %s", self.what, exc)
+            raise OSError(f"the answer's bytes failed: {exc}") from None
+        finally:
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                await self._loop.run_in_executor(self._pool, close)
 
     async def _refuse(
         self,
@@ -481,13 +653,16 @@ class Edge:
             await writer.drain()
 
 
-async def _next_event(http: h11.Connection, reader: asyncio.StreamReader) -> object:
-    """h11's next event, reading from `reader` as it needs (end of stream: ConnectionClosed)."""
+async def _next_event(
+    http: h11.Connection, reader: asyncio.StreamReader, size: int = _READ_SIZE
+) -> object:
+    """h11's next event, reading at most `size` bytes from `reader` at a time as it needs (end
+    of stream: ConnectionClosed)."""
     while True:
         event = http.next_event()
         if event is not h11.NEED_DATA:
             return event
-        http.receive_data(await reader.read(_READ_SIZE))
+        http.receive_data(await reader.read(size))
 
 
 def _sent(http: h11.Connection, event: h11.Event) -> bytes:

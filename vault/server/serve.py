@@ -194,6 +194,10 @@ def serve(
     check_access(config, listen)
     if explorer_http is not None:
         check_explorer_access(config, explorer_http[0])
+    if config.registry.listen:
+        from vault.server.registry import check_registry_access
+
+        check_registry_access(config)
     if config.ledger.sequencer not in ("process", "thread"):
         raise ConfigError(
             f"unknown ledger.sequencer {config.ledger.sequencer!r}: expected process or thread"
@@ -286,7 +290,13 @@ def _serve_folder(
         scrub = watch.watch(scrub)
     metrics = None
     explorer = None
+    registry = None
     try:
+        if config.registry.listen:
+            # Imported only when configured: a vault without a registry loads none of it.
+            from vault.server.registry import RegistryServer
+
+            registry = RegistryServer(config, ledger, content, tokens).start()
         if metrics_http is not None:
             metrics = serve_metrics(Sources(ledger, content, store, workers, watch), metrics_http)
         if explorer_http is not None:
@@ -312,6 +322,8 @@ def _serve_folder(
             )
         )
     finally:
+        if registry is not None:
+            registry.stop()
         if explorer is not None:
             explorer.stop()
         if metrics is not None:

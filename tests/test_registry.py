@@ -1,0 +1,532 @@
+"""The OCI Distribution API of a real `vault serve` ([registry]), spoken with plain HTTP requests
+as a registry client speaks it: blobs pushed whole and in chunks, manifests and indexes pushed
+by tag and pulled by tag and digest, every push pinned as an `image` entry, tags resolved
+through the ledger, and pushes refused to callers without a writer's token."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import http.client
+import json
+import re
+import socket
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.conftest import StartVault
+from tests.services import ociconformance
+from tests.services.vault_server import VaultServer, run_vault
+from vault.client import Credentials, VaultClient
+from vault.errors import NotFound
+from vault.http_edge import Edge, Limits, Request, Response
+
+CREDENTIALS = {
+    "PINVAULT_AUTH_MODE": "credentials",
+    "PINVAULT_REGISTRY_LISTEN": "127.0.0.1:0",
+    "PINVAULT_REGISTRY_UPLOADS_PER_CALLER": "3",
+}
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+LAYER = "application/vnd.oci.image.layer.v1.tar"
+CONFIG = "application/vnd.oci.image.config.v1+json"
+_URL = re.compile(r"registry \(OCI distribution\) at (http://\S+)")
+
+
+def sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+    def json(self) -> object:
+        return json.loads(self.body)
+
+    def codes(self) -> list[str]:
+        document = json.loads(self.body)
+        assert isinstance(document, dict)
+        return [error["code"] for error in document["errors"]]
+
+
+class Registry:
+    """Plain HTTP requests to the registry, with one caller's credentials."""
+
+    def __init__(self, url: str, authorization: str = "") -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "", parts.port or 80
+        self.authorization = authorization
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def as_(self, authorization: str) -> Registry:
+        return Registry(f"http://{self.host}:{self.port}", authorization)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | Iterator[bytes] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Answer:
+        sent = dict(headers or {})
+        if self.authorization:
+            sent["Authorization"] = self.authorization
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        try:
+            chunked = body is not None and not isinstance(body, bytes)
+            connection.request(method, path, body=body, headers=sent, encode_chunked=chunked)
+            response = connection.getresponse()
+            return Answer(
+                response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+            )
+        finally:
+            connection.close()
+
+    def push_blob(self, name: str, data: bytes) -> str:
+        digest = sha256(data)
+        answer = self.request("POST", f"/v2/{name}/blobs/uploads/?digest={digest}", data)
+        assert answer.status == 201, answer
+        assert answer.headers["location"] == f"/v2/{name}/blobs/{digest}"
+        return digest
+
+    def push_manifest(self, name: str, reference: str, document: object, kind: str) -> str:
+        body = json.dumps(document).encode()
+        answer = self.request(
+            "PUT", f"/v2/{name}/manifests/{reference}", body, {"Content-Type": kind}
+        )
+        assert answer.status == 201, answer
+        assert answer.headers["docker-content-digest"] == sha256(body)
+        return sha256(body)
+
+
+@dataclass
+class Vault:
+    server: VaultServer
+    registry: Registry
+    admin: VaultClient
+    writer: str
+    reader: str
+
+
+def _token(admin: VaultClient, name: str, role: str) -> str:
+    return admin.create_token(name=name, team="vision", role=role)[1]
+
+
+def _registry_url(server: VaultServer) -> str:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        found = _URL.search(server.log())
+        if found:
+            return found.group(1)
+        time.sleep(0.05)
+    raise AssertionError(f"the registry's address is not in the log:\n{server.log()}")
+
+
+@contextlib.contextmanager
+def _vault(base: Path, env: Mapping[str, str]) -> Iterator[Vault]:
+    """A vault that asks for credentials, with a registry, a writer's and a reader's token."""
+    server = VaultServer(base, env=env)
+    admin_token = (
+        run_vault(
+            *("token", "create", "--offline", "--name", "root", "--team", "ops"),
+            *("--role", "admin"),
+            env={"PINVAULT_DATA_DIR": str(server.data_dir), **env},
+            state_home=server.state_home,
+        )
+        .ok()
+        .stdout.strip()
+    )
+    with server:
+        admin = VaultClient(server.address, credentials=Credentials(token=admin_token), timeout=60)
+        with admin:
+            writer = _token(admin, "pusher", "writer")
+            reader = _token(admin, "puller", "reader")
+            registry = Registry(_registry_url(server), f"Bearer {writer}")
+            yield Vault(server, registry, admin, writer, reader)
+
+
+@pytest.fixture(scope="module")
+def vault(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vault]:
+    with _vault(tmp_path_factory.mktemp("registry"), CREDENTIALS) as vault:
+        yield vault
+
+
+def _image(registry: Registry, name: str, layer: bytes, config: bytes) -> dict[str, object]:
+    layer_digest = registry.push_blob(name, layer)
+    config_digest = registry.push_blob(name, config)
+    return {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": {"mediaType": CONFIG, "digest": config_digest, "size": len(config)},
+        "layers": [{"mediaType": LAYER, "digest": layer_digest, "size": len(layer)}],
+    }
+
+
+def test_an_image_and_an_index_are_pushed_pulled_and_pinned(vault: Vault) -> None:
+    registry = vault.registry
+    assert registry.request("GET", "/v2/").status == 200
+    layer = bytes(range(256)) * 4096  # 1 MiB
+    # The config in chunks: an upload opened, two chunks, the last one with the closing PUT.
+    config = json.dumps({"architecture": "amd64", "os": "linux", "rootfs": {}}).encode()
+    opened = registry.request("POST", "/v2/lab/train/blobs/uploads/")
+    assert opened.status == 202, opened
+    location = opened.headers["location"]
+    first = registry.request(
+        "PATCH",
+        location,
+        config[:10],
+        {"Content-Range": "0-9", "Content-Type": "application/octet-stream"},
+    )
+    assert first.status == 202 and first.headers["range"] == "0-9", first
+    # A chunk that does not start where the upload ends is refused, saying where it ends.
+    wrong = registry.request("PATCH", location, config[10:], {"Content-Range": "5-20"})
+    assert wrong.status == 416 and wrong.headers["range"] == "0-9", wrong
+    closed = registry.request("PUT", f"{location}?digest={sha256(config)}", config[10:])
+    assert closed.status == 201, closed
+    assert closed.headers["docker-content-digest"] == sha256(config)
+
+    manifest = _image(registry, "lab/train", layer, config)
+    digest = registry.push_manifest("lab/train", "v1", manifest, OCI_MANIFEST)
+
+    by_tag = registry.request("GET", "/v2/lab/train/manifests/v1")
+    assert by_tag.status == 200 and by_tag.headers["content-type"] == OCI_MANIFEST
+    assert by_tag.headers["docker-content-digest"] == digest and sha256(by_tag.body) == digest
+    assert registry.request("GET", f"/v2/lab/train/manifests/{digest}").body == by_tag.body
+    head = registry.request("HEAD", "/v2/lab/train/manifests/v1")
+    assert head.status == 200 and head.headers["docker-content-digest"] == digest
+
+    layer_digest = sha256(layer)
+    blob = registry.request("GET", f"/v2/lab/train/blobs/{layer_digest}")
+    assert blob.status == 200 and blob.body == layer
+    assert blob.headers["docker-content-digest"] == layer_digest
+    blob_head = registry.request("HEAD", f"/v2/lab/train/blobs/{layer_digest}")
+    assert blob_head.status == 200 and blob_head.headers["content-length"] == str(len(layer))
+    part = registry.request(
+        "GET", f"/v2/lab/train/blobs/{layer_digest}", headers={"Range": "bytes=1000-300000"}
+    )
+    assert part.status == 206 and part.body == layer[1000:300001]
+    assert part.headers["content-range"] == f"bytes 1000-300000/{len(layer)}"
+
+    index = {
+        "schemaVersion": 2,
+        "mediaType": OCI_INDEX,
+        "manifests": [
+            {
+                "mediaType": OCI_MANIFEST,
+                "digest": digest,
+                "size": len(by_tag.body),
+                "platform": {"architecture": "amd64", "os": "linux"},
+            }
+        ],
+    }
+    index_digest = registry.push_manifest("lab/train", "multi", index, OCI_INDEX)
+    pulled = registry.request("GET", "/v2/lab/train/manifests/multi")
+    assert pulled.headers["content-type"] == OCI_INDEX
+    assert pulled.headers["docker-content-digest"] == index_digest
+    assert registry.request("GET", "/v2/lab/train/tags/list").json() == {
+        "name": "lab/train",
+        "tags": ["multi", "v1"],
+    }
+    page = registry.request("GET", "/v2/lab/train/tags/list?n=1")
+    assert page.json() == {"name": "lab/train", "tags": ["multi"]}
+    assert "last=multi" in page.headers["link"]
+
+    # The pins are in the ledger, verified against a signed checkpoint, by the pusher's name.
+    (pinned,) = vault.admin.lookup(digest)
+    assert pinned.entry.kind == "image" and pinned.entry.author == "pusher"
+    assert dict(pinned.entry.meta) == {
+        "media-type": OCI_MANIFEST,
+        "repository": "lab/train",
+        "tag": "v1",
+    }
+    (index_pin,) = vault.admin.lookup(index_digest)
+    assert index_pin.entry.meta["tag"] == "multi"
+
+
+def test_a_large_layer_is_streamed_in_one_chunked_request(vault: Vault) -> None:
+    registry = vault.registry
+    piece = hashlib.sha256(b"layer").digest() * 2048  # 64 KiB
+    layer = piece * 200  # 12.5 MiB, sent in 64 KiB pieces with chunked transfer encoding
+    opened = registry.request("POST", "/v2/lab/big/blobs/uploads/")
+    sent = registry.request("PATCH", opened.headers["location"], iter([piece] * 200))
+    assert sent.status == 202 and sent.headers["range"] == f"0-{len(layer) - 1}", sent
+    closed = registry.request("PUT", f"{sent.headers['location']}?digest={sha256(layer)}")
+    assert closed.status == 201, closed
+    pulled = registry.request("GET", f"/v2/lab/big/blobs/{sha256(layer)}")
+    assert pulled.status == 200 and pulled.body == layer
+
+
+def test_bytes_that_do_not_match_their_digest_are_refused_and_nothing_is_kept(
+    vault: Vault,
+) -> None:
+    registry = vault.registry
+    sent, claimed = b"the layer as sent", sha256(b"the layer as announced")
+    whole = registry.request("POST", f"/v2/lab/bad/blobs/uploads/?digest={claimed}", sent)
+    assert whole.status == 400 and whole.codes() == ["DIGEST_INVALID"], whole
+    opened = registry.request("POST", "/v2/lab/bad/blobs/uploads/")
+    registry.request("PATCH", opened.headers["location"], sent)
+    chunked = registry.request("PUT", f"{opened.headers['location']}?digest={claimed}")
+    assert chunked.status == 400 and chunked.codes() == ["DIGEST_INVALID"], chunked
+    for digest in (claimed, sha256(sent)):
+        missing = registry.request("GET", f"/v2/lab/bad/blobs/{digest}")
+        assert missing.status == 404 and missing.codes() == ["BLOB_UNKNOWN"]
+    assert vault.admin.find_missing([claimed, sha256(sent)]) == [claimed, sha256(sent)]
+    # A manifest whose bytes are not the digest it is pushed as is refused too.
+    manifest = _image(registry, "lab/bad", b"a layer", b"{}")
+    body = json.dumps(manifest).encode()
+    refused = registry.request(
+        "PUT", f"/v2/lab/bad/manifests/{claimed}", body, {"Content-Type": OCI_MANIFEST}
+    )
+    assert refused.status == 400 and refused.codes() == ["DIGEST_INVALID"]
+    with pytest.raises(NotFound):
+        vault.admin.lookup(sha256(body))
+    assert vault.admin.find_missing([sha256(body)]) == [sha256(body)]
+
+
+def test_a_manifest_naming_a_blob_the_vault_lacks_is_refused(vault: Vault) -> None:
+    registry = vault.registry
+    manifest = _image(registry, "lab/partial", b"one layer", b"{}")
+    absent = sha256(b"a layer never pushed")
+    manifest["layers"] = [{"mediaType": LAYER, "digest": absent, "size": 20}]
+    body = json.dumps(manifest).encode()
+    refused = registry.request(
+        "PUT", "/v2/lab/partial/manifests/v1", body, {"Content-Type": OCI_MANIFEST}
+    )
+    assert refused.status == 400 and refused.codes() == ["MANIFEST_BLOB_UNKNOWN"]
+    assert absent in json.loads(refused.body)["errors"][0]["message"]
+    unknown = registry.request("GET", "/v2/lab/partial/manifests/v1")
+    assert unknown.status == 404 and unknown.codes() == ["MANIFEST_UNKNOWN"]
+    assert registry.request("GET", "/v2/lab/partial/tags/list").codes() == ["NAME_UNKNOWN"]
+    broken = registry.request(
+        "PUT", "/v2/lab/partial/manifests/v1", b"{not json", {"Content-Type": OCI_MANIFEST}
+    )
+    assert broken.status == 400 and broken.codes() == ["MANIFEST_INVALID"]
+
+
+def test_pushes_need_a_writers_token(vault: Vault) -> None:
+    anonymous = vault.registry.as_("")
+    refused = anonymous.request("POST", "/v2/lab/x/blobs/uploads/?digest=" + sha256(b"x"), b"x")
+    assert refused.status == 401 and refused.codes() == ["UNAUTHORIZED"]
+    assert refused.headers["www-authenticate"].startswith("Basic realm=")
+    assert anonymous.request("GET", "/v2/").status == 401
+    # A reader's token, as podman and skopeo send it with --creds: the password of Basic.
+    basic = base64.b64encode(f"puller:{vault.reader}".encode()).decode()
+    reader = vault.registry.as_(f"Basic {basic}")
+    assert reader.request("GET", "/v2/").status == 200
+    denied = reader.request("POST", "/v2/lab/x/blobs/uploads/?digest=" + sha256(b"x"), b"x")
+    assert denied.status == 403 and denied.codes() == ["DENIED"]
+    manifest = _image(vault.registry, "lab/x", b"x layer", b"{}")
+    refused_manifest = reader.request(
+        "PUT",
+        "/v2/lab/x/manifests/v1",
+        json.dumps(manifest).encode(),
+        {"Content-Type": OCI_MANIFEST},
+    )
+    assert refused_manifest.status == 403
+    assert reader.request("GET", "/v2/lab/x/manifests/v1").status == 404
+    assert vault.admin.find_missing([sha256(b"x")]) == [sha256(b"x")]
+    forged = vault.registry.as_(f"Bearer {vault.writer[:-4]}0000")
+    assert forged.request("GET", "/v2/").status == 401
+
+
+def test_a_moved_tag_resolves_to_the_newest_push_and_the_old_one_stays(vault: Vault) -> None:
+    registry = vault.registry
+    old = registry.push_manifest(
+        "lab/moving", "latest", _image(registry, "lab/moving", b"old", b"{}"), OCI_MANIFEST
+    )
+    new = registry.push_manifest(
+        "lab/moving", "latest", _image(registry, "lab/moving", b"new", b"{}"), OCI_MANIFEST
+    )
+    assert old != new
+    latest = registry.request("GET", "/v2/lab/moving/manifests/latest")
+    assert latest.headers["docker-content-digest"] == new
+    kept = registry.request("GET", f"/v2/lab/moving/manifests/{old}")
+    assert kept.status == 200 and sha256(kept.body) == old
+    # The tag is a name in one repository only.
+    elsewhere = registry.request("GET", "/v2/lab/other/manifests/latest")
+    assert elsewhere.status == 404 and elsewhere.codes() == ["MANIFEST_UNKNOWN"]
+    assert registry.request("GET", f"/v2/lab/other/manifests/{old}").status == 404
+
+
+def test_open_uploads_are_bounded_per_caller(vault: Vault) -> None:
+    registry = vault.registry
+    opened = [registry.request("POST", "/v2/lab/many/blobs/uploads/") for _ in range(3)]
+    assert [o.status for o in opened] == [202, 202, 202]
+    refused = registry.request("POST", "/v2/lab/many/blobs/uploads/")
+    assert refused.status == 429 and refused.codes() == ["TOOMANYREQUESTS"]
+    # Another caller's upload is not found by its address, nor cancelled through it.
+    other = vault.registry.as_(f"Bearer {_token(vault.admin, 'other-pusher', 'writer')}")
+    assert other.request("GET", opened[0].headers["location"]).status == 404
+    for o in opened:
+        assert registry.request("DELETE", o.headers["location"]).status == 204
+    again = registry.request("POST", "/v2/lab/many/blobs/uploads/")
+    assert again.status == 202
+    registry.request("DELETE", again.headers["location"])
+
+
+def test_a_blob_whose_stored_copy_is_damaged_is_never_served_whole(vault: Vault) -> None:
+    registry = vault.registry
+    layer = b"a layer that rots on disk " * 4096
+    digest = registry.push_blob("lab/rot", layer)
+    with vault.server.blob_path(digest).open("r+b") as stored:
+        stored.seek(50_000)
+        stored.write(b"X")
+    # The answer ends short of its announced length: the client's read fails, and no byte of
+    # the damaged chunk was sent.
+    with pytest.raises(http.client.IncompleteRead) as cut:
+        registry.request("GET", f"/v2/lab/rot/blobs/{digest}")
+    assert b"X" not in cut.value.partial
+
+
+def test_in_local_mode_it_answers_loopback_names_only_and_bounds_each_upload(
+    start_vault: StartVault,
+) -> None:
+    server = start_vault(
+        env={
+            "PINVAULT_REGISTRY_LISTEN": "127.0.0.1:0",
+            "PINVAULT_REGISTRY_MAX_UPLOAD_BYTES": "100000",
+        }
+    )
+    registry = Registry(_registry_url(server))
+    assert registry.request("GET", "/v2/").status == 200
+    # A web page whose own name resolves to 127.0.0.1 sends that name.
+    rebound = registry.request("GET", "/v2/", headers={"Host": "evil.example"})
+    assert rebound.status == 403 and rebound.codes() == ["DENIED"]
+    opened = registry.request("POST", "/v2/lab/local/blobs/uploads/")
+    location = opened.headers["location"]
+    too_big = registry.request("PATCH", location, iter([b"x" * 50_000] * 3))
+    assert too_big.status == 413 and too_big.codes() == ["SIZE_INVALID"], too_big
+    assert registry.request("GET", location).codes() == ["BLOB_UPLOAD_UNKNOWN"]
+    digest = registry.push_manifest(
+        "lab/local", "v1", _image(registry, "lab/local", b"layer", b"{}"), OCI_MANIFEST
+    )
+    with server.client() as client:
+        (pinned,) = client.lookup(digest)
+    assert pinned.entry.kind == "image" and pinned.entry.meta["repository"] == "lab/local"
+
+
+def _streaming_edge(limits: Limits) -> Edge:
+    def handler(request: Request) -> Response:
+        assert request.stream is not None
+        size = sum(len(piece) for piece in request.stream)
+        return Response.text(200, f"{size} bytes")
+
+    return Edge("stream-test", handler, limits=limits)
+
+
+def _exchange(port: int, head: bytes, pieces: list[bytes], pause: float = 0.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(head)
+        for piece in pieces:
+            time.sleep(pause)
+            try:
+                conn.sendall(piece)
+            except OSError:
+                break
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+        return answer
+
+
+def test_a_streamed_body_must_keep_its_minimum_rate() -> None:
+    limits = Limits(
+        body_seconds=0.5, min_body_rate=1000, max_body_bytes=1 << 20, methods=frozenset({"PUT"})
+    )
+    with _streaming_edge(limits) as edge:
+        head = b"PUT /x HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: 5000\r\n\r\n"
+        # 1000 bytes at once buys one more second; the rest never comes fast enough.
+        answer = _exchange(edge.port, head, [b"a" * 1000, b"b" * 10, b"c" * 10], pause=1.0)
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+        assert b"too slowly" in answer
+        # A body at the rate is taken whole, far past body_seconds.
+        answer = _exchange(edge.port, head, [b"d" * 1000] * 5, pause=0.2)
+        assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"5000 bytes\n")
+
+
+def test_a_streamed_body_past_its_bound_is_refused() -> None:
+    limits = Limits(min_body_rate=1000, max_body_bytes=4096, methods=frozenset({"PUT"}))
+    with _streaming_edge(limits) as edge:
+        head = b"PUT /x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+        piece = b"800\r\n" + b"z" * 2048 + b"\r\n"
+        answer = _exchange(edge.port, head, [piece] * 3 + [b"0\r\n\r\n"])
+        assert answer.startswith(b"HTTP/1.1 413 "), answer
+
+
+# The suite's workflows this registry passes; the deletes it answers as unsupported (an entry is
+# never removed from the ledger, nor a pinned blob from the store), which the suite skips.
+CONFORMANCE_PASSES = (
+    "Ping",
+    "Blob push",
+    "Blob post only",
+    "Blob post put",
+    "Blob chunked",
+    "Blob streaming",
+    "Blob mount",
+    "Blob anonymous mount",
+    "Blob get",
+    "Blob get range",
+    "Blob head",
+    "Blob upload cancel",
+    "Manifest put by digest",
+    "Manifest put by tag",
+    "Manifest put with subject",
+    "Manifest get by digest",
+    "Manifest get by tag",
+    "Manifest head by digest",
+    "Manifest head by tag",
+    "Tag listing",
+    "Referrers",
+    "Image",
+    "Index",
+    "Nested Index",
+    "Artifact",
+    "Artifacts with Subject",
+    "Missing Subject",
+    "Bad Digest Image",
+    "Invalid Manifest Digest",
+)
+CONFORMANCE_SKIPS = ("Blob delete", "Manifest delete", "Tag delete")
+
+
+def test_the_oci_conformance_suite_passes_pull_push_and_discovery(tmp_path: Path) -> None:
+    binary = ociconformance.build()
+    env = {**CREDENTIALS, "PINVAULT_REGISTRY_UPLOADS_PER_CALLER": "64"}
+    with _vault(tmp_path / "vault", env) as vault:
+        outcome = ociconformance.run(
+            binary,
+            tmp_path / "conformance",
+            {
+                "OCI_REGISTRY": vault.registry.address,
+                "OCI_TLS": "disabled",
+                "OCI_REPO1": "conformance/one",
+                "OCI_REPO2": "conformance/two",
+                # As podman and skopeo send --creds: the token is Basic's password.
+                "OCI_USERNAME": "pusher",
+                "OCI_PASSWORD": vault.writer,
+                "OCI_API_BLOBS_UPLOAD_CANCEL": "true",
+                # Deprecated in image-spec 1.1: layers a registry is told not to hold, which
+                # this one refuses (an image is pinned only with every layer held).
+                "OCI_DATA_NONDISTRIBUTABLE": "false",
+                # The vault keeps blobs by sha256.
+                "OCI_DATA_SHA512": "false",
+            },
+        )
+    failed = sorted(name for name, verdict in outcome.results.items() if verdict == "FAIL")
+    assert failed == [], outcome.output[-8000:]
+    for name in CONFORMANCE_PASSES:
+        assert outcome.results.get(name) == "Pass", (name, outcome.output[-8000:])
+    for name in CONFORMANCE_SKIPS:
+        assert outcome.results.get(name) == "Skip", (name, outcome.output[-8000:])

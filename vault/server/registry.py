@@ -1,0 +1,855 @@
+"""The OCI Distribution API (pull and push) served from the vault's content store, on the bounded
+HTTP edge: every blob, config and manifest is a blob of the store by its sha256 digest, checked
+when it is written and whenever it is read, and every manifest pushed is pinned as an `image`
+entry whose metadata names its repository and tag. A tag is resolved through the ledger (the
+newest `image` entry naming it in that repository), never trusted as identity."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import ssl
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+from urllib.parse import parse_qs, urlsplit
+
+from sqlalchemy import select
+
+from vault.config import Config, RegistryConfig
+from vault.digest import Digest, sha256_of
+from vault.errors import (
+    ConfigError,
+    DiskFull,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    QuotaExceeded,
+    Unauthenticated,
+    VaultError,
+)
+from vault.files import fsync_dir
+from vault.http_edge import BodyError, Edge, Limits, Request, Response
+from vault.ledger import db as tables
+from vault.ledger.entry import Entry
+from vault.ledger.log import Ledger
+from vault.ledger.records import PinSpec, StoredEntry
+from vault.server.auth import LOCAL, Authenticator, Gate, Identity
+from vault.server.content import Content
+from vault.server.failed_credentials import caller_address
+
+log = logging.getLogger("pinvault")
+
+# The kind of entry a pushed manifest is pinned as, and its metadata keys.
+KIND: Final = "image"
+REPOSITORY: Final = "repository"
+TAG: Final = "tag"
+MEDIA_TYPE: Final = "media-type"
+SUBJECT: Final = "subject"
+# Where open uploads keep their bytes, in the data folder; emptied at every start.
+UPLOADS: Final = "registry-uploads"
+
+OCI_MANIFEST: Final = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX: Final = "application/vnd.oci.image.index.v1+json"
+DOCKER_MANIFEST: Final = "application/vnd.docker.distribution.manifest.v2+json"
+DOCKER_LIST: Final = "application/vnd.docker.distribution.manifest.list.v2+json"
+_INDEXES: Final = frozenset({OCI_INDEX, DOCKER_LIST})
+MANIFEST_TYPES: Final = frozenset({OCI_MANIFEST, DOCKER_MANIFEST}) | _INDEXES
+# The spec's suggested bound on a manifest a registry accepts.
+MAX_MANIFEST_BYTES: Final = 4 * 1024 * 1024
+_JSON: Final = "application/json"
+_OCTETS: Final = "application/octet-stream"
+_API: Final = (("Docker-Distribution-API-Version", "registry/2.0"),)
+_CHALLENGE: Final = (("WWW-Authenticate", 'Basic realm="pinvault"'),)
+_LOOPBACK: Final = ("127.0.0.1", "localhost", "::1", "[::1]")
+_FILE_PIECE: Final = 1024 * 1024
+# Image entries read in one query while resolving a tag or listing tags.
+_SCAN_BATCH: Final = 1000
+
+# The spec's grammar for repository names, tags and (sha256) digests.
+_NAME: Final = r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*)*"
+_TAG: Final = re.compile(r"[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}")
+_SHA256: Final = re.compile(r"sha256:[a-f0-9]{64}")
+_ROUTE: Final = re.compile(
+    rf"/v2/(?P<name>{_NAME})/(?:"
+    r"blobs/uploads/(?P<upload>[A-Za-z0-9_-]*)"
+    r"|blobs/(?P<blob>[^/]+)"
+    r"|manifests/(?P<reference>[^/]+)"
+    r"|(?P<tags>tags/list)"
+    r"|referrers/(?P<referrers>[^/]+))"
+)
+_RANGE: Final = re.compile(r"bytes=(\d*)-(\d*)")
+_CONTENT_RANGE: Final = re.compile(r"(?:bytes )?(\d+)-(\d+)(?:/\d+|/\*)?")
+_MAX_NAME: Final = 255
+
+
+class Refusal(Exception):
+    """An answer in the spec's error JSON: `status`, one of its `code`s and a message."""
+
+    def __init__(
+        self, status: int, code: str, message: str, headers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.headers = headers
+
+    def response(self) -> Response:
+        body = {"errors": [{"code": self.code, "message": str(self), "detail": {}}]}
+        return Response(
+            self.status,
+            json.dumps(body).encode(),
+            _JSON,
+            headers=(*_API, *self.headers),
+            close=self.status in (400, 408, 413, 416),
+        )
+
+
+def _refusal(error: VaultError) -> Refusal:
+    if isinstance(error, Unauthenticated):
+        return Refusal(401, "UNAUTHORIZED", str(error), _CHALLENGE)
+    if isinstance(error, PermissionDenied):
+        return Refusal(403, "DENIED", str(error))
+    if isinstance(error, QuotaExceeded):
+        return Refusal(429, "TOOMANYREQUESTS", str(error), (("Retry-After", "5"),))
+    if isinstance(error, DiskFull):
+        return Refusal(507, "UNSUPPORTED", str(error))
+    if isinstance(error, NotFound):
+        return Refusal(404, "BLOB_UNKNOWN", str(error))
+    if isinstance(error, IntegrityError):
+        return Refusal(500, "UNKNOWN", f"the vault's copy failed its check: {error}")
+    if isinstance(error, InvalidArgument):
+        return Refusal(400, "UNSUPPORTED", str(error))
+    return Refusal(503, "UNAVAILABLE", str(error), (("Retry-After", "1"),))
+
+
+def sha256_digest(text: str, code: str = "DIGEST_INVALID") -> Digest:
+    """A sha256 digest as OCI spells it (the vault keeps blobs by sha256), or a 400."""
+    if not _SHA256.fullmatch(text):
+        raise Refusal(400, code, f"{text[:80]!r} is not a sha256 digest (sha256:<64 hex>)")
+    return Digest.parse(text)
+
+
+@dataclass(eq=False)
+class Upload:
+    """A blob upload in progress: its bytes in a file of the uploads folder until it is put."""
+
+    id: str
+    owner: str
+    repository: str
+    path: Path
+    size: int = 0
+    touched: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Uploads:
+    """The open uploads, bounded in number per caller and in size each, and dropped once idle
+    for `timeout` seconds."""
+
+    def __init__(self, folder: Path, settings: RegistryConfig) -> None:
+        self.folder = folder
+        self.per_caller = settings.uploads_per_caller
+        self.max_bytes = settings.max_upload_bytes
+        self.timeout = settings.upload_timeout
+        self._open: dict[str, Upload] = {}
+        self._lock = threading.Lock()
+        # An upload's bytes do not outlive the server that took them.
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(mode=0o700, parents=True)
+        fsync_dir(folder.parent)
+
+    def open(self, owner: str, repository: str) -> Upload:
+        with self._lock:
+            self._sweep()
+            mine = sum(1 for u in self._open.values() if u.owner == owner)
+            if mine >= self.per_caller:
+                raise Refusal(
+                    429,
+                    "TOOMANYREQUESTS",
+                    f"{owner} has {mine} uploads open, the most one caller may: finish or "
+                    "cancel one first",
+                    (("Retry-After", "5"),),
+                )
+            upload_id = secrets.token_urlsafe(24)
+            path = self.folder / upload_id
+            fd = os.open(
+                path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+            )
+            os.close(fd)
+            upload = Upload(upload_id, owner, repository, path)
+            self._open[upload_id] = upload
+            return upload
+
+    def get(self, upload_id: str, owner: str, repository: str) -> Upload:
+        with self._lock:
+            self._sweep()
+            upload = self._open.get(upload_id)
+            # Another caller's upload is as unknown as one that never was.
+            if upload is None or upload.owner != owner or upload.repository != repository:
+                raise Refusal(404, "BLOB_UPLOAD_UNKNOWN", f"no upload {upload_id[:64]!r} here")
+            upload.touched = time.monotonic()
+            return upload
+
+    def append(self, upload: Upload, pieces: Iterator[bytes]) -> None:
+        """Add `pieces` to the upload's file, within its size bound."""
+        too_large = Refusal(
+            413,
+            "SIZE_INVALID",
+            f"an upload is at most {self.max_bytes} bytes: this one is cancelled",
+        )
+        try:
+            with open(upload.path, "ab", buffering=0) as file:
+                for piece in pieces:
+                    if upload.size + len(piece) > self.max_bytes:
+                        raise too_large
+                    file.write(piece)
+                    upload.size += len(piece)
+        except BodyError as exc:
+            if exc.status != 413:
+                raise
+            self.close(upload)
+            raise too_large from None
+        except Refusal:
+            self.close(upload)
+            raise
+        upload.touched = time.monotonic()
+
+    def pieces(self, upload: Upload) -> Iterator[bytes]:
+        with open(upload.path, "rb", buffering=0) as file:
+            while piece := file.read(_FILE_PIECE):
+                yield piece
+
+    def close(self, upload: Upload) -> None:
+        with self._lock:
+            self._open.pop(upload.id, None)
+        upload.path.unlink(missing_ok=True)
+
+    def _sweep(self) -> None:
+        old = time.monotonic() - self.timeout
+        for upload in [u for u in self._open.values() if u.touched < old]:
+            # One a request is writing stays until that request ends.
+            if upload.lock.acquire(blocking=False):
+                try:
+                    del self._open[upload.id]
+                    upload.path.unlink(missing_ok=True)
+                finally:
+                    upload.lock.release()
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A manifest as pushed: its bytes, digest, media type, the blobs it names (digest and
+    size) and the manifest it refers to, if any."""
+
+    body: bytes
+    digest: Digest
+    media_type: str
+    blobs: tuple[tuple[str, int], ...]
+    subject: str
+
+
+def parse_manifest(body: bytes, content_type: str) -> Manifest:
+    """Check a pushed manifest or index: JSON, schema version 2, a known media type, and every
+    descriptor well formed. MANIFEST_INVALID names what is wrong."""
+
+    def invalid(why: str) -> Refusal:
+        return Refusal(400, "MANIFEST_INVALID", f"the manifest is invalid: {why}")
+
+    try:
+        document = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise invalid(f"not JSON ({exc})") from None
+    if not isinstance(document, dict):
+        raise invalid("not a JSON object")
+    if document.get("schemaVersion") != 2:
+        raise invalid("schemaVersion is not 2")
+    declared = document.get("mediaType")
+    given = content_type.split(";")[0].strip()
+    media_type = declared if isinstance(declared, str) else given
+    if declared is not None and given and given != declared:
+        raise invalid(f"it says it is {declared!r} but was sent as {given!r}")
+    if media_type not in MANIFEST_TYPES:
+        if "manifests" in document:
+            media_type = OCI_INDEX
+        elif "config" in document:
+            media_type = OCI_MANIFEST
+        else:
+            raise invalid(f"unknown media type {media_type!r}")
+
+    def descriptor(value: Any, where: str) -> tuple[str, int]:
+        if not isinstance(value, dict):
+            raise invalid(f"{where} is not a descriptor")
+        digest, size = value.get("digest"), value.get("size")
+        if not isinstance(value.get("mediaType"), str):
+            raise invalid(f"{where} has no mediaType")
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise invalid(f"{where} has no sha256 digest")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise invalid(f"{where} has no size")
+        return digest, size
+
+    named: list[tuple[str, int]] = []
+    if media_type in _INDEXES:
+        manifests = document.get("manifests")
+        if not isinstance(manifests, list):
+            raise invalid("an index needs a list of manifests")
+        named += [descriptor(m, f"manifests[{i}]") for i, m in enumerate(manifests)]
+    else:
+        named.append(descriptor(document.get("config"), "config"))
+        layers = document.get("layers")
+        if not isinstance(layers, list):
+            raise invalid("an image manifest needs a list of layers")
+        named += [descriptor(layer, f"layers[{i}]") for i, layer in enumerate(layers)]
+    subject = ""
+    if "subject" in document:
+        subject = descriptor(document["subject"], "subject")[0]
+    return Manifest(body, sha256_of(body), media_type, tuple(dict.fromkeys(named)), subject)
+
+
+class Registry:
+    """The API's requests, answered from `content` and `ledger`. `tokens`: the vault's bearer
+    tokens (None in local mode, where every caller is the one local user)."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        content: Content,
+        settings: RegistryConfig,
+        uploads: Path,
+        *,
+        tokens: Authenticator | None = None,
+    ) -> None:
+        self.ledger = ledger
+        self.content = content
+        self.settings = settings
+        self.tokens = tokens
+        self.uploads = Uploads(uploads, settings)
+
+    # -- the edge's handler
+
+    def respond(self, request: Request) -> Response:
+        try:
+            return self._respond(request)
+        except Refusal as refusal:
+            return refusal.response()
+        except BodyError as error:
+            code = "SIZE_INVALID" if error.status == 413 else "BLOB_UPLOAD_INVALID"
+            return Refusal(error.status, code, str(error)).response()
+        except VaultError as error:
+            return _refusal(error).response()
+
+    def _respond(self, request: Request) -> Response:
+        parts = urlsplit(request.target)
+        query = _query(parts.query)
+        path = parts.path
+        if self.tokens is None and not _loopback_host(request.header("Host")):
+            raise Refusal(403, "DENIED", "this registry answers only to loopback host names")
+        if path in ("/v2", "/v2/"):
+            self._identify(request, "read")
+            return Response(200, b"{}", _JSON, headers=_API)
+        route = _ROUTE.fullmatch(path)
+        if route is None or len(route["name"]) > _MAX_NAME:
+            raise Refusal(404, "NAME_INVALID", f"no such registry path {path[:120]!r}")
+        name, method = route["name"], request.method
+        if route["upload"] is not None:
+            who = self._identify(request, "write")
+            if route["upload"] == "":
+                if method != "POST":
+                    raise _method(method)
+                return self._start_upload(request, who, name, query)
+            return self._upload(request, who, name, route["upload"], query)
+        if route["blob"] is not None:
+            if method not in ("GET", "HEAD"):
+                raise _method(method)
+            self._identify(request, "read")
+            return self._blob(request, route["blob"])
+        if route["reference"] is not None:
+            if method == "PUT":
+                who = self._identify(request, "write")
+                return self._put_manifest(request, who, name, route["reference"])
+            if method not in ("GET", "HEAD"):
+                raise _method(method)
+            self._identify(request, "read")
+            return self._manifest(name, route["reference"])
+        if route["tags"] is not None:
+            if method != "GET":
+                raise _method(method)
+            self._identify(request, "read")
+            return self._tags(name, query)
+        if method != "GET":
+            raise _method(method)
+        self._identify(request, "read")
+        return self._referrers(name, route["referrers"], query)
+
+    def _identify(self, request: Request, permission: str) -> Identity:
+        """Who is calling, after checking they may `permission` (read: pull, write: push)."""
+        if self.tokens is None:
+            return LOCAL
+        given = request.header("Authorization")
+        if not given and permission == "read" and self.settings.anonymous_pull:
+            return Identity("anonymous", "", "reader")
+        if len(given) != 1:
+            raise Unauthenticated(
+                "this registry needs a vault token: `Authorization: Bearer <token>`, or the "
+                "token as the password of Basic credentials"
+            )
+        scheme, _, value = given[0].strip().partition(" ")
+        token = value.strip()
+        if scheme.lower() == "basic":
+            try:
+                token = base64.b64decode(token, validate=True).decode().partition(":")[2]
+            except (binascii.Error, UnicodeDecodeError):
+                token = ""
+        elif scheme.lower() != "bearer":
+            token = ""
+        who = Gate("credentials", self.tokens).identify(
+            [("authorization", f"Bearer {token}")], {}, address=caller_address(request.peer)
+        )
+        if not who.may(permission):
+            action = "push" if permission == "write" else "pull"
+            raise PermissionDenied(f"{who.name} (role {who.role}) may not {action}")
+        return who
+
+    # -- blobs
+
+    def _blob(self, request: Request, text: str) -> Response:
+        digest = sha256_digest(text)
+        blob = self.content.find(digest)
+        if blob is None:
+            raise Refusal(404, "BLOB_UNKNOWN", f"blob {digest} is not in the vault")
+        size = blob.info.size
+        headers = [*_API, ("Docker-Content-Digest", str(digest)), ("Accept-Ranges", "bytes")]
+        offset, length, status = 0, size, 200
+        ranges = request.header("Range")
+        if ranges and request.method == "GET":
+            first, last = _byte_range(ranges[0], size)
+            if last < first:
+                raise Refusal(
+                    416,
+                    "BLOB_UNKNOWN",
+                    f"range {ranges[0][:80]!r} is not within the blob's {size} bytes",
+                    (("Content-Range", f"bytes */{size}"),),
+                )
+            offset, length, status = first, last - first + 1, 206
+            headers.append(("Content-Range", f"bytes {first}-{last}/{size}"))
+        if request.method == "HEAD":
+            return Response(
+                200, content_type=_OCTETS, headers=tuple(headers), stream=iter(()), length=size
+            )
+        _, chunks = self.content.read(blob, offset, length)
+        return Response(
+            status,
+            content_type=_OCTETS,
+            headers=tuple(headers),
+            stream=_ranged(chunks, offset, length),
+            length=length,
+        )
+
+    def _start_upload(
+        self, request: Request, who: Identity, name: str, query: Mapping[str, str]
+    ) -> Response:
+        mounted = query.get("mount")
+        if mounted is not None:
+            # Every blob of the vault is in every repository: a mount is a look-up.
+            digest = sha256_digest(mounted)
+            if self.content.find(digest) is not None:
+                return _created(name, digest)
+        if "digest" in query:
+            digest = sha256_digest(query["digest"])
+            return self._put_blob(name, digest, _body(request))
+        upload = self.uploads.open(who.name, name)
+        return _upload_state(name, upload, 202)
+
+    def _upload(
+        self, request: Request, who: Identity, name: str, upload_id: str, query: Mapping[str, str]
+    ) -> Response:
+        upload = self.uploads.get(upload_id, who.name, name)
+        method = request.method
+        if method == "DELETE":
+            self.uploads.close(upload)
+            return Response(204, headers=_API)
+        if method == "GET":
+            return _upload_state(name, upload, 204)
+        if method not in ("PATCH", "PUT"):
+            raise _method(method)
+        if not upload.lock.acquire(blocking=False):
+            raise Refusal(416, "BLOB_UPLOAD_INVALID", "another request is writing to this upload")
+        try:
+            ranges = request.header("Content-Range")
+            if ranges:
+                stated = _CONTENT_RANGE.fullmatch(ranges[0].strip())
+                if stated is None or int(stated[1]) != upload.size:
+                    raise Refusal(
+                        416,
+                        "BLOB_UPLOAD_INVALID",
+                        f"this upload has {upload.size} bytes: a chunk must start there",
+                        _range_header(upload),
+                    )
+            self.uploads.append(upload, _body(request))
+            if method == "PATCH":
+                return _upload_state(name, upload, 202)
+            if "digest" not in query:
+                raise Refusal(400, "DIGEST_INVALID", "the closing PUT needs ?digest=")
+            digest = sha256_digest(query["digest"])
+            try:
+                return self._put_blob(name, digest, self.uploads.pieces(upload))
+            finally:
+                self.uploads.close(upload)
+        finally:
+            upload.lock.release()
+
+    def _put_blob(self, name: str, digest: Digest, pieces: Iterator[bytes]) -> Response:
+        try:
+            self.content.put(pieces, digest)
+        except IntegrityError as exc:
+            raise Refusal(400, "DIGEST_INVALID", str(exc)) from None
+        return _created(name, digest)
+
+    # -- manifests
+
+    def _put_manifest(self, request: Request, who: Identity, name: str, reference: str) -> Response:
+        body = b""
+        for piece in _body(request):
+            body += piece
+            if len(body) > MAX_MANIFEST_BYTES:
+                raise Refusal(
+                    413, "SIZE_INVALID", f"a manifest is at most {MAX_MANIFEST_BYTES} bytes"
+                )
+        types = request.header("Content-Type")
+        manifest = parse_manifest(body, types[0] if types else "")
+        tag = ""
+        if _SHA256.fullmatch(reference):
+            if reference != str(manifest.digest):
+                raise Refusal(
+                    400,
+                    "DIGEST_INVALID",
+                    f"the manifest's bytes are {manifest.digest}, not {reference}",
+                )
+        elif _TAG.fullmatch(reference):
+            tag = reference
+        else:
+            raise Refusal(400, "MANIFEST_INVALID", f"{reference[:80]!r} is not a tag or digest")
+        held = self.content.find_many([digest for digest, _ in manifest.blobs])
+        for digest, size in manifest.blobs:
+            blob = held.get(digest)
+            if blob is None:
+                raise Refusal(
+                    400, "MANIFEST_BLOB_UNKNOWN", f"the manifest names {digest}, not in the vault"
+                )
+            if blob.info.size != size:
+                raise Refusal(
+                    400,
+                    "MANIFEST_INVALID",
+                    f"the manifest gives {digest} {size} bytes; it has {blob.info.size}",
+                )
+        self.content.put([manifest.body], manifest.digest)
+        meta = {REPOSITORY: name, MEDIA_TYPE: manifest.media_type}
+        if tag:
+            meta[TAG] = tag
+        if manifest.subject:
+            meta[SUBJECT] = manifest.subject
+        spec = PinSpec.checked(
+            kind=KIND, subjects=[str(manifest.digest)], author=who.author("registry"), meta=meta
+        )
+        (entry,) = self.ledger.append([spec])
+        log.info("registry: %s pinned %s@%s as entry %d", who.name, name, reference, entry.index)
+        headers = (*_API, *_created(name, manifest.digest, kind="manifests").headers)
+        if manifest.subject:
+            headers = (*headers, ("OCI-Subject", manifest.subject))
+        return Response(201, headers=headers)
+
+    def _manifest(self, name: str, reference: str) -> Response:
+        if _SHA256.fullmatch(reference):
+            digest = reference
+            pins = [
+                Entry.decode(stored.body)
+                for stored, external in self.ledger.pins_of_kind(reference, KIND)
+                if not external
+            ]
+            entry = next(
+                (e for e in reversed(pins) if e.subjects[0] == digest and _in(e, name)), None
+            )
+        elif _TAG.fullmatch(reference):
+            entry = next((e for e in self._images(name) if e.meta.get(TAG) == reference), None)
+        else:
+            raise Refusal(400, "MANIFEST_INVALID", f"{reference[:80]!r} is not a tag or digest")
+        if entry is None:
+            raise Refusal(404, "MANIFEST_UNKNOWN", f"no manifest {reference} in {name}")
+        digest = entry.subjects[0]
+        blob = self.content.get(Digest.parse(digest))
+        _, chunks = self.content.read(blob)
+        body = b"".join(chunk.data for chunk in chunks)
+        return Response(
+            200,
+            body,
+            entry.meta.get(MEDIA_TYPE, OCI_MANIFEST),
+            headers=(*_API, ("Docker-Content-Digest", digest)),
+        )
+
+    def _images(self, name: str) -> Iterator[Entry]:
+        """The `image` entries of repository `name`, newest first."""
+        e = tables.entries
+        before = self.ledger.size
+        while before > 0:
+            query = (
+                select(e.c.idx, e.c.body)
+                .where(e.c.idx < before, e.c.kind == KIND)
+                .order_by(e.c.idx.desc())
+                .limit(_SCAN_BATCH)
+            )
+            with self.ledger.db.read.connect() as conn:
+                rows = [StoredEntry(idx, bytes(body)) for idx, body in conn.execute(query)]
+            if not rows:
+                return
+            for stored in rows:
+                entry = Entry.decode(stored.body)
+                if _in(entry, name):
+                    yield entry
+            before = rows[-1].index
+
+    def _tags(self, name: str, query: Mapping[str, str]) -> Response:
+        tags: set[str] = set()
+        seen = False
+        for entry in self._images(name):
+            seen = True
+            if TAG in entry.meta:
+                tags.add(entry.meta[TAG])
+        if not seen:
+            raise Refusal(404, "NAME_UNKNOWN", f"no repository {name} in this registry")
+        listed = sorted(tags)
+        last = query.get("last")
+        if last is not None:
+            listed = [tag for tag in listed if tag > last]
+        headers: tuple[tuple[str, str], ...] = _API
+        if "n" in query:
+            if not query["n"].isdigit():
+                raise Refusal(400, "UNSUPPORTED", "n is a number of tags")
+            n = int(query["n"])
+            if len(listed) > n:
+                link = f'</v2/{name}/tags/list?n={n}&last={listed[n - 1] if n else ""}>; rel="next"'
+                headers = (*headers, ("Link", link))
+            listed = listed[:n]
+        return Response(
+            200, json.dumps({"name": name, "tags": listed}).encode(), _JSON, headers=headers
+        )
+
+    def _referrers(self, name: str, text: str, query: Mapping[str, str]) -> Response:
+        subject = str(sha256_digest(text))
+        wanted = query.get("artifactType")
+        manifests: dict[str, dict[str, Any]] = {}
+        for entry in self._images(name):
+            digest = entry.subjects[0]
+            if entry.meta.get(SUBJECT) != subject or digest in manifests:
+                continue
+            blob = self.content.find(Digest.parse(digest))
+            if blob is None:
+                continue
+            _, chunks = self.content.read(blob)
+            document = json.loads(b"".join(chunk.data for chunk in chunks))
+            kind = document.get("artifactType") or document.get("config", {}).get("mediaType")
+            if wanted is not None and kind != wanted:
+                continue
+            described: dict[str, Any] = {
+                "mediaType": entry.meta.get(MEDIA_TYPE, OCI_MANIFEST),
+                "digest": digest,
+                "size": blob.info.size,
+            }
+            if kind:
+                described["artifactType"] = kind
+            if isinstance(document.get("annotations"), dict):
+                described["annotations"] = document["annotations"]
+            manifests[digest] = described
+        index = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": list(manifests.values())}
+        headers = _API if wanted is None else (*_API, ("OCI-Filters-Applied", "artifactType"))
+        return Response(200, json.dumps(index).encode(), OCI_INDEX, headers=headers)
+
+
+def _byte_range(text: str, size: int) -> tuple[int, int]:
+    """The first and last byte a Range header asks of `size` bytes (RFC 9110: FIRST-LAST,
+    FIRST- or -SUFFIX), or (1, 0) when it asks for none of them."""
+    asked = _RANGE.fullmatch(text.strip())
+    if asked is None or not (asked[1] or asked[2]):
+        return 1, 0
+    if not asked[1]:
+        return max(0, size - int(asked[2])), size - 1
+    first = int(asked[1])
+    last = min(int(asked[2]), size - 1) if asked[2] else size - 1
+    return (first, last) if first < size else (1, 0)
+
+
+def _in(entry: Entry, name: str) -> bool:
+    return entry.kind == KIND and entry.meta.get(REPOSITORY) == name
+
+
+def _method(method: str) -> Refusal:
+    return Refusal(
+        405, "UNSUPPORTED", f"{method} is not supported here (entries are never deleted)"
+    )
+
+
+def _body(request: Request) -> Iterator[bytes]:
+    if request.stream is not None:
+        return iter(request.stream)
+    return iter([request.body] if request.body else [])
+
+
+def _created(name: str, digest: Digest, *, kind: str = "blobs") -> Response:
+    return Response(
+        201,
+        headers=(
+            *_API,
+            ("Location", f"/v2/{name}/{kind}/{digest}"),
+            ("Docker-Content-Digest", str(digest)),
+        ),
+    )
+
+
+def _range_header(upload: Upload) -> tuple[tuple[str, str], ...]:
+    # The spec's Range of an upload is inclusive, and "0-0" for an empty one.
+    return (("Range", f"0-{max(upload.size - 1, 0)}"),)
+
+
+def _upload_state(name: str, upload: Upload, status: int) -> Response:
+    return Response(
+        status,
+        headers=(
+            *_API,
+            ("Location", f"/v2/{name}/blobs/uploads/{upload.id}"),
+            ("Docker-Upload-UUID", upload.id),
+            *_range_header(upload),
+        ),
+    )
+
+
+def _ranged(chunks: Iterator[Any], offset: int, length: int) -> Iterator[bytes]:
+    """The bytes [offset, offset + length) of verified whole chunks that cover them."""
+    end = offset + length
+    for chunk in chunks:
+        data = chunk.data
+        start = max(0, offset - chunk.offset)
+        stop = min(len(data), end - chunk.offset)
+        if stop > start:
+            yield bytes(memoryview(data)[start:stop])
+
+
+def _query(text: str) -> dict[str, str]:
+    try:
+        parsed = parse_qs(text, keep_blank_values=True, strict_parsing=bool(text))
+    except ValueError:
+        raise Refusal(400, "UNSUPPORTED", "the query is malformed") from None
+    if any(len(values) > 1 for values in parsed.values()):
+        raise Refusal(400, "UNSUPPORTED", "a query parameter is given twice")
+    return {key: values[0] for key, values in parsed.items()}
+
+
+def _loopback_host(hosts: Sequence[str]) -> bool:
+    if len(hosts) != 1:
+        return False
+    name = hosts[0].strip().lower()
+    name = name[: name.find("]") + 1] if name.startswith("[") else name.partition(":")[0]
+    return name in _LOOPBACK or name.startswith("127.")
+
+
+# -- on the edge
+
+
+def check_registry_access(config: Config) -> tuple[str, int]:
+    """The registry's host and port, once its listening there is safe: in local mode (no
+    credentials) on loopback only, and tokens off loopback only inside TLS."""
+    listen = config.registry.listen
+    host, sep, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"registry.listen is HOST:PORT, not {listen!r}")
+    loopback = host in _LOOPBACK
+    if config.auth.mode == "local" and not loopback:
+        raise ConfigError(
+            f"auth.mode 'local' asks no credential, so the registry listens only on loopback, "
+            f"not {listen}: set auth.mode = 'credentials'"
+        )
+    tls = bool(config.auth.tls_cert and config.auth.tls_key)
+    if not loopback and not tls and not config.server.allow_plaintext_credentials:
+        raise ConfigError(
+            f"the registry on {listen} would receive tokens in plain text: set auth.tls_cert "
+            "and auth.tls_key, or listen on loopback"
+        )
+    return host, int(port)
+
+
+def _tls_context(config: Config) -> ssl.SSLContext | None:
+    if not (config.auth.tls_cert and config.auth.tls_key):
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(
+        Path(config.auth.tls_cert).expanduser(), Path(config.auth.tls_key).expanduser()
+    )
+    return context
+
+
+class RegistryServer:
+    """The registry on its own port of the bounded HTTP edge."""
+
+    def __init__(
+        self, config: Config, ledger: Ledger, content: Content, tokens: Authenticator | None
+    ) -> None:
+        host, port = check_registry_access(config)
+        settings = config.registry
+        self.registry = Registry(
+            ledger, content, settings, config.data_path / UPLOADS, tokens=tokens
+        )
+        limits = Limits(
+            head_seconds=10.0,
+            body_seconds=30.0,
+            work_seconds=300.0,
+            max_body_bytes=settings.max_upload_bytes,
+            min_body_rate=settings.min_upload_rate,
+            per_address=32,
+            connections=256,
+            workers=8,
+            queue=64,
+            methods=frozenset({"GET", "HEAD", "POST", "PATCH", "PUT", "DELETE"}),
+        )
+        self.tls = _tls_context(config)
+        self.host = host
+        self._edge = Edge(
+            "registry", self.registry.respond, host, port, limits=limits, tls=self.tls
+        )
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'https' if self.tls else 'http'}://{host}:{self._edge.port}"
+
+    def start(self) -> RegistryServer:
+        self._edge.start()
+        log.info("registry (OCI distribution) at %s", self.url)
+        return self
+
+    def stop(self) -> None:
+        self._edge.stop()
+
+
+__all__ = [
+    "KIND",
+    "Manifest",
+    "Refusal",
+    "Registry",
+    "RegistryServer",
+    "check_registry_access",
+    "parse_manifest",
+]
