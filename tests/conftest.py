@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 from sqlalchemy import make_url
@@ -130,7 +130,29 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+# The longest test files, longest first: with the tests on several workers (scripts/test), they
+# start first, so that no worker is left running one of them alone at the end.
+LONGEST_FIRST: Final = (
+    "test_scale_bench.py",
+    "test_torch_checkpoints.py",
+    "test_faults.py",
+    "test_load.py",
+    "test_balanced_ledger.py",
+    "test_cold_tier.py",
+    "test_registry.py",
+    "test_shared_blobs.py",
+    "test_http_edges.py",
+    "test_mlflow_export.py",
+    "test_mirror_add.py",
+    "test_jax_checkpoints.py",
+    "test_mirror.py",
+    "test_slurm.py",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: place for place, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     # Lets `-m "not postgres"` or `-m "not s3"` leave those servers unstarted.
     s3_fixtures = {"s3_endpoint", *(f"{name}_server" for name in SERVERS)}
     for item in items:
