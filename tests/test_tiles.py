@@ -297,7 +297,12 @@ def test_a_tile_made_from_the_tree_is_made_once_however_often_it_is_asked_for(
     assert served is not None
     made: list[str] = []
     render = served._render
-    monkeypatch.setattr(served, "_render", lambda tile: made.append(tile.path) or render(tile))
+
+    def counted(tile: Tile) -> bytes | None:
+        made.append(tile.path)
+        return render(tile)
+
+    monkeypatch.setattr(served, "_render", counted)
     paths = ["tile/0/002.p/88", "tile/entries/002.p/88", "tile/1/000.p/2"]
     assert not any((vault.tiles / path).exists() for path in paths)
 

@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import ClassVar, Self
 
 from tests.services.base import PrivateServer, terminate
+from tests.services.go_build import BIN_DIR, BuildError, find_go
 from tests.services.s3 import listening_ports
-from tests.services.tilecheck import BuildError, find_go
 from vault.ledger.checkpoint import SigningKey
 from vault.ledger.cosignature import WitnessKey
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BIN_DIR = REPO_ROOT / ".cache" / "bin"
 # The witness module has no tagged releases; this is the Go module proxy's pseudo-version of
 # the commit the tests were written against.
 MODULE = "github.com/transparency-dev/witness"
@@ -44,7 +43,7 @@ def build() -> Path:
     with tempfile.TemporaryDirectory(prefix="omniwitness-build-") as folder:
         env = {**os.environ, "GOBIN": folder, "GOFLAGS": "-buildvcs=false"}
         result = subprocess.run(
-            [find_go(), "install", f"{PACKAGE}@{VERSION}"],
+            [find_go("omniwitness"), "install", f"{PACKAGE}@{VERSION}"],
             cwd=folder,
             env=env,
             capture_output=True,
