@@ -5,6 +5,7 @@ runs at most two replays at once even when the requests race (on SQLite and Post
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from vault.errors import (
     QuotaExceeded,
 )
 from vault.ledger.runid import RunInputs
+from vault.runs.pins import check_input
 from vault.store.manifest import FileEntry, build_manifest, encode_manifest
 from vault.wire import pinvault_pb2 as pb
 
@@ -382,3 +384,98 @@ def test_only_the_canonical_inputs_document_is_accepted() -> None:
     spaced = inputs.encode().replace(b",", b", ")
     with pytest.raises(InvalidArgument, match="not in canonical form"):
         RunInputs.decode(spaced)
+
+
+# -- images held whole ----------------------------------------------------------------------
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+
+
+def _descriptor(media_type: str, data: bytes) -> dict[str, str | int]:
+    return {"mediaType": media_type, "digest": sha256(data), "size": len(data)}
+
+
+def _image_manifest(config: bytes, layers: list[bytes]) -> bytes:
+    return json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": OCI_MANIFEST,
+            "config": _descriptor("application/vnd.oci.image.config.v1+json", config),
+            "layers": [
+                _descriptor("application/vnd.oci.image.layer.v1.tar+gzip", layer)
+                for layer in layers
+            ],
+        }
+    ).encode()
+
+
+def test_an_image_pinned_as_an_oci_manifest_is_admitted_only_once_every_layer_is_held(
+    lab: Lab,
+) -> None:
+    """What `vault run`, the webhook (both through check_input) and admission say of an image
+    whose manifest names a layer the vault does not hold: refused, naming the layer; held
+    whole once it is put."""
+    config, held, absent = b'{"architecture":"amd64"}', os.urandom(3000), os.urandom(2000)
+    lab.put(config)
+    lab.put(held)
+    manifest = _image_manifest(config, [held, absent])
+    image = lab.pinned("image", manifest)
+
+    with pytest.raises(FailedPrecondition) as refused:
+        lab.admit(image=image)
+    assert f"image {image} is not held whole" in str(refused.value)
+    assert f"(first: layer {sha256(absent)}, 2000 bytes)" in str(refused.value)
+    with pytest.raises(FailedPrecondition, match=f"first: layer {sha256(absent)}"):
+        check_input(lab.client, "image", image)
+
+    lab.put(absent)
+    check_input(lab.client, "image", image)
+    assert lab.admit(image=image).new
+
+
+def test_a_manifest_stating_another_size_for_a_held_layer_is_not_held(lab: Lab) -> None:
+    config, layer = b"{}", os.urandom(1000)
+    lab.put(config)
+    lab.put(layer)
+    document = json.loads(_image_manifest(config, [layer]))
+    document["layers"][0]["size"] = 999
+    image = lab.pinned("image", json.dumps(document).encode())
+
+    with pytest.raises(FailedPrecondition, match=f"first: layer {sha256(layer)}, 999 bytes"):
+        lab.admit(image=image)
+
+
+def test_an_image_index_is_held_only_when_every_manifest_it_lists_is(lab: Lab) -> None:
+    config, layer, other_layer = b"{}", os.urandom(500), os.urandom(600)
+    for data in (config, layer):
+        lab.put(data)
+    amd64 = _image_manifest(config, [layer])
+    arm64 = _image_manifest(config, [other_layer])
+    lab.put(amd64)
+    lab.put(arm64)
+    index = json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": OCI_INDEX,
+            "manifests": [_descriptor(OCI_MANIFEST, amd64), _descriptor(OCI_MANIFEST, arm64)],
+        }
+    ).encode()
+    image = lab.pinned("image", index)
+
+    # Every manifest is held, but one of them names a layer that is not.
+    with pytest.raises(FailedPrecondition) as refused:
+        lab.admit(image=image)
+    assert f"blobs {sha256(arm64)} names are not in the store" in str(refused.value)
+    assert f"first: layer {sha256(other_layer)}" in str(refused.value)
+    with pytest.raises(FailedPrecondition, match=f"first: layer {sha256(other_layer)}"):
+        check_input(lab.client, "image", image)
+
+    lab.put(other_layer)
+    assert lab.admit(image=image).new
+
+
+def test_an_image_pinned_as_one_file_is_held_as_it_was(lab: Lab) -> None:
+    """A SIF or tarball image is its one blob: nothing more is asked of it."""
+    check_input(lab.client, "image", lab.image)
+    assert lab.admit().new

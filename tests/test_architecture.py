@@ -27,9 +27,15 @@ FOUNDATION = (
 )
 # The ledger's storage; the rest of vault.ledger is pure verification on bytes.
 LEDGER_STORAGE = ("vault.ledger.db", "vault.ledger.log", "vault.ledger.tiles")
-# The parts of the content store a client-side caller may use: dataset manifests, the cache of
-# file digests, and the allocator tuning of a process that moves large blobs.
-STORE_FOR_CLIENTS = ("vault.store.manifest", "vault.store.hashcache", "vault.store.allocator")
+# The parts of the content store a client-side caller may use: dataset manifests, what an
+# image's manifest names, the cache of file digests, and the allocator tuning of a process that
+# moves large blobs.
+STORE_FOR_CLIENTS = (
+    "vault.store.manifest",
+    "vault.store.image",
+    "vault.store.hashcache",
+    "vault.store.allocator",
+)
 # The commands that run on the vault's own host with its configuration: the only ones that
 # open the server's stores.
 HOST_COMMANDS = ("cli.serve", "cli.tier", "cli.mirror")

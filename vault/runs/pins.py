@@ -4,10 +4,13 @@ same in its own ledger and store (and then appends the run), and refuses in the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from vault.client import ProvenEntry, VaultClient
 from vault.digest import Digest
 from vault.errors import FailedPrecondition, InvalidArgument, NotFound
 from vault.runs.dataset import fetch_manifest, find_missing
+from vault.store.image import MAX_IMAGE_MANIFEST, Named, check_image_held
 
 
 def _an(word: str) -> str:
@@ -41,6 +44,8 @@ def check_input(client: VaultClient, kind: str, digest: str) -> None:
             raise FailedPrecondition(
                 f"{kind} {wanted} is pinned but its content is not in the store"
             )
+        if kind == "image":
+            _check_image_held(client, wanted)
         return
     try:
         # Fetched and verified against its digest by this client.
@@ -58,3 +63,30 @@ def check_input(client: VaultClient, kind: str, digest: str) -> None:
             f"dataset {wanted} is missing {len(missing)} of its {len(manifest.files)} files' "
             f"content (first: {first})"
         )
+
+
+def _check_image_held(client: VaultClient, digest: str) -> int:
+    """Refuse an image pinned as an OCI manifest or index whose every blob the store does not
+    hold (vault.store.image); returns how many it names. One pinned as a single file passes."""
+
+    def manifest(wanted: str) -> bytes | None:
+        reader = client.open(wanted)
+        if reader.info.size > MAX_IMAGE_MANIFEST:
+            return None
+        # Verified against its digest by this client as it is read.
+        return b"".join(bytes(c) for c in reader.chunks())
+
+    def listed(wanted: str) -> bytes:
+        body = manifest(wanted)
+        if body is None:
+            raise FailedPrecondition(
+                f"{wanted}, listed as an image manifest, is more than a manifest may be "
+                f"({MAX_IMAGE_MANIFEST} bytes)"
+            )
+        return body
+
+    def lacking(blobs: Sequence[Named]) -> set[str]:
+        return set(find_missing(client, sorted({b.digest for b in blobs})))
+
+    body = manifest(digest)
+    return 0 if body is None else check_image_held(digest, body, listed, lacking)

@@ -15,7 +15,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -38,6 +38,7 @@ from vault.server.auth import Identity
 from vault.server.content import Content, StoredBlob
 from vault.server.damage import KnownDamage
 from vault.server.metrics import count_admission
+from vault.store.image import MAX_IMAGE_MANIFEST, Named, check_image_held
 from vault.store.manifest import (
     MAX_MANIFEST_BYTES,
     RawFile,
@@ -406,6 +407,25 @@ class Admitter:
             raise IntegrityError(f"{role} {digest} fails its check: {exc}") from None
         if role == "dataset":
             self._check_dataset_files(digest, blob.info.size)
+        elif role == "image" and blob.info.size <= MAX_IMAGE_MANIFEST:
+            body = bytes(self._read_whole(digest, blob.info.size))
+            check_image_held(digest, body, self._image_manifest, self._lacking)
+
+    def _image_manifest(self, digest: str) -> bytes:
+        """A manifest an image index lists, read whole and verified (check_image_held has
+        found it held)."""
+        blob = self.content.get(Digest.parse(digest))
+        if blob.info.size > MAX_IMAGE_MANIFEST:
+            raise FailedPrecondition(
+                f"{digest}, listed as an image manifest, is {blob.info.size} bytes: more than "
+                f"a manifest may be ({MAX_IMAGE_MANIFEST})"
+            )
+        return bytes(self._read_whole(digest, blob.info.size))
+
+    def _lacking(self, blobs: Sequence[Named]) -> set[str]:
+        """The digests of `blobs` the store does not hold at their stated size."""
+        sizes = {Digest.parse(b.digest).raw: b.size for b in blobs}
+        return {"sha256:" + raw.hex() for raw in self.content.lacking(sorted(sizes), sizes)}
 
     def _check_dataset_files(self, digest: str, size: int) -> None:
         """Refuse a dataset whose manifest is not valid or names a file the store lacks. The
