@@ -5,9 +5,10 @@ run on a private Unix socket, real S3 servers (MinIO, versitygw) started once pe
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import pytest
 from sqlalchemy import make_url
@@ -18,6 +19,9 @@ from tests.services.vault_server import VaultServer
 
 # A fixture, for every test module that needs a full disk.
 from tests.small_disk import small_disk  # noqa: F401
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser
 
 # -- environment ---------------------------------------------------------------------------
 
@@ -122,6 +126,34 @@ def start_vault(clean_environment: None, tmp_path: Path) -> Iterator[StartVault]
     yield start
     statuses = [server.stop() for server in started]
     assert statuses == [0] * len(started), f"vault serve exit statuses on SIGTERM: {statuses}"
+
+
+# -- a browser -------------------------------------------------------------------------------
+
+CHROMIUM: Final = "/usr/bin/chromium"
+# Chromium as root in a sandbox-less container, with nothing reaching for the network.
+CHROMIUM_ARGS: Final = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """Debian's headless Chromium, driven by Playwright (which downloads no browser of its
+    own), for a test module's pages."""
+    from playwright.sync_api import sync_playwright
+
+    assert shutil.which("chromium") == CHROMIUM, "Debian's chromium is needed (scripts/test)"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
 
 
 def pytest_configure(config: pytest.Config) -> None:

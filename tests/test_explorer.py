@@ -10,7 +10,6 @@ import base64
 import hashlib
 import json
 import random
-import shutil
 import socket
 import urllib.error
 import urllib.request
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.sync_api import Browser, Page, Route, sync_playwright
+from playwright.sync_api import Browser, Page, Route
 
 from tests.services.vault_server import REPO_ROOT, VaultServer, run_vault
 from vault.client import Credentials, VaultClient
@@ -36,17 +35,6 @@ from vault.runs import start
 from vault.runs.dataset import add_dataset
 from vault.wire import pinvault_pb2 as pb
 
-CHROMIUM = "/usr/bin/chromium"
-# Chromium as root in a sandbox-less container, with nothing reaching for the network.
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 SCREENSHOTS = REPO_ROOT / ".cache" / "explorer"
 ORIGIN = "explorer.test/ledger"
 HOSTILE = "<img src=x onerror=\"document.title='pwned'\">"
@@ -143,15 +131,6 @@ def sealed(explorer_vault: VaultServer, tmp_path_factory: pytest.TempPathFactory
         script,
         hostile,
     )
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    assert shutil.which("chromium") == CHROMIUM, "Debian's chromium is needed (scripts/test)"
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture

@@ -9,27 +9,16 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Browser, Page
 
 from tests.services.vault_server import REPO_ROOT
 from tests.test_bundle import Proved, proved_run
 from vault.ledger.checkpoint import SigningKey
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 PAGE = REPO_ROOT / "vault" / "server" / "explorer_page" / "index.html"
 
 
@@ -37,15 +26,6 @@ PAGE = REPO_ROOT / "vault" / "server" / "explorer_page" / "index.html"
 def proved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proved]:
     with proved_run(tmp_path_factory.mktemp("bundle")) as made:
         yield made
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    assert shutil.which("chromium") == CHROMIUM, "Debian's chromium is needed (scripts/test)"
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture
