@@ -17,13 +17,12 @@ from typing import Any
 
 import grpc
 import pytest
-from sqlalchemy.engine import make_url
 
 from tests.services.postgres import PostgresServer
 from tests.services.s3 import MinioServer
 from tests.services.tampering_proxy import TamperingProxy
 from tests.test_mirror import NAMES, PREFIX
-from tests.test_shared_blobs import Pair, http_put, started_pair
+from tests.test_shared_blobs import Pair, http_put, pair_on_new_database
 from tiers.cold import ColdTier, decode_index
 from vault.client import VaultClient
 from vault.client import direct as direct_module
@@ -44,14 +43,10 @@ def pair(
     postgres_server: PostgresServer,
     minio_server: MinioServer,
 ) -> Iterator[Pair]:
-    database = postgres_server.create_database()
-    try:
-        with started_pair(tmp_path_factory.mktemp("copies"), database, minio_server) as started:
-            yield started
-    finally:
-        name = make_url(database).database
-        assert name is not None
-        postgres_server.drop_database(name)
+    with pair_on_new_database(
+        tmp_path_factory.mktemp("copies"), postgres_server, minio_server
+    ) as started:
+        yield started
 
 
 def mirror_rows(pair: Pair) -> dict[str, dict[str, Any]]:

@@ -78,6 +78,21 @@ def started_pair(
             minio.delete_bucket(bucket.bucket)
 
 
+@contextlib.contextmanager
+def pair_on_new_database(
+    base: Path, postgres: PostgresServer, minio: MinioServer
+) -> Iterator[Pair]:
+    """A started pair on a database of its own, dropped after."""
+    database = postgres.create_database()
+    try:
+        with started_pair(base, database, minio) as started:
+            yield started
+    finally:
+        name = make_url(database).database
+        assert name is not None
+        postgres.drop_database(name)
+
+
 @pytest.fixture(scope="module")
 def pair(
     tmp_path_factory: pytest.TempPathFactory,
@@ -85,14 +100,10 @@ def pair(
     minio_server: MinioServer,
 ) -> Iterator[Pair]:
     """One pair for the tests that leave both servers running."""
-    database = postgres_server.create_database()
-    try:
-        with started_pair(tmp_path_factory.mktemp("pair"), database, minio_server) as started:
-            yield started
-    finally:
-        name = make_url(database).database
-        assert name is not None
-        postgres_server.drop_database(name)
+    with pair_on_new_database(
+        tmp_path_factory.mktemp("pair"), postgres_server, minio_server
+    ) as started:
+        yield started
 
 
 @pytest.fixture
