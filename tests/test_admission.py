@@ -27,6 +27,7 @@ from vault.errors import (
 )
 from vault.ledger.runid import RunInputs
 from vault.runs.pins import check_input
+from vault.store.image import MAX_LISTED_MANIFESTS
 from vault.store.manifest import FileEntry, build_manifest, encode_manifest
 from vault.wire import pinvault_pb2 as pb
 
@@ -479,3 +480,23 @@ def test_an_image_pinned_as_one_file_is_held_as_it_was(lab: Lab) -> None:
     """A SIF or tarball image is its one blob: nothing more is asked of it."""
     check_input(lab.client, "image", lab.image)
     assert lab.admit().new
+
+
+def test_an_index_listing_more_manifests_than_a_check_reads_is_refused(lab: Lab) -> None:
+    """A writer cannot make every admission read an unbounded number of manifests."""
+    config = b"{}"
+    lab.put(config)
+    manifests = [_image_manifest(config, []) + b" " * n for n in range(MAX_LISTED_MANIFESTS + 1)]
+    for manifest in manifests:
+        lab.put(manifest)
+    index = json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": OCI_INDEX,
+            "manifests": [_descriptor(OCI_MANIFEST, m) for m in manifests],
+        }
+    ).encode()
+    image = lab.pinned("image", index)
+
+    with pytest.raises(FailedPrecondition, match=f"lists more than {MAX_LISTED_MANIFESTS}"):
+        lab.admit(image=image)

@@ -20,6 +20,8 @@ from vault.errors import FailedPrecondition
 MAX_IMAGE_MANIFEST: Final = 4 * 1024 * 1024
 # Indexes may list indexes; past this depth the image is refused rather than followed.
 MAX_DEPTH: Final = 4
+# The manifests one image's indexes may list, all told: a bound on what checking one image reads.
+MAX_LISTED_MANIFESTS: Final = 256
 _SHA256: Final = re.compile(r"sha256:[0-9a-f]{64}")
 
 
@@ -82,6 +84,7 @@ def check_image_held(
         return 0
     held = 0
     pending = [(digest, named, 1)]
+    read_already: set[str] = set()
     while pending:
         where, blobs, depth = pending.pop()
         missing = lacking(blobs)
@@ -94,8 +97,13 @@ def check_image_held(
             )
         held += len(blobs)
         for blob in blobs:
-            if blob.role != "manifest":
+            if blob.role != "manifest" or blob.digest in read_already:
                 continue
+            read_already.add(blob.digest)
+            if len(read_already) > MAX_LISTED_MANIFESTS:
+                raise FailedPrecondition(
+                    f"image {digest} lists more than {MAX_LISTED_MANIFESTS} manifests: refused"
+                )
             if depth >= MAX_DEPTH:
                 raise FailedPrecondition(
                     f"image {digest} nests indexes more than {MAX_DEPTH} deep: refused"
