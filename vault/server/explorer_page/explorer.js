@@ -559,15 +559,20 @@ async function checkBundleDocuments(bundle, result) {
   }
 }
 
+// A failed verification: its reasons, and nothing of what failed.
+function showFailed(node, what, failures) {
+  node.className = "failed";
+  node.dataset.state = "failed";
+  node.replaceChildren(
+    el("div", { text: `Verification FAILED: ${what}. Nothing of it is shown.` }),
+    el("ul", {}, ...failures.map((f) => el("li", { text: f }))));
+}
+
 function showBundleVerdict(checked, file) {
   const node = $("verdict");
   node.hidden = false;
   if (checked.failures.length) {
-    node.className = "failed";
-    node.dataset.state = "failed";
-    node.replaceChildren(
-      el("div", { text: `Verification FAILED: proof bundle ${file} is not what the vault signed. Nothing of it is shown.` }),
-      el("ul", {}, ...checked.failures.map((f) => el("li", { text: f }))));
+    showFailed(node, `proof bundle ${file} is not what the vault signed`, checked.failures);
     return;
   }
   const cp = checked.checkpoint;
@@ -729,11 +734,7 @@ function showVerdict(checked, answer) {
   const node = $("verdict");
   node.hidden = false;
   if (checked.failures.length) {
-    node.className = "failed";
-    node.dataset.state = "failed";
-    node.replaceChildren(
-      el("div", { text: "Verification FAILED: this answer is not what the vault signed. Nothing of it is shown." }),
-      el("ul", {}, ...checked.failures.map((f) => el("li", { text: f }))));
+    showFailed(node, "this answer is not what the vault signed", checked.failures);
     return;
   }
   const cp = checked.checkpoint;
