@@ -6,11 +6,13 @@ signed checkpoint, inclusion and consistency from the tiles alone."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import http.client
 import logging
 import os
 import socket
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -770,3 +772,27 @@ def test_vault_serve_publishes_tiles_the_go_verifier_accepts(
     assert size >= 600
     outcome = tilecheck.run(verifier, url, key, leaves=[0, 300, 599])
     assert outcome.status == 0, outcome.line
+
+
+def test_a_new_vault_publishes_a_checkpoint_of_its_empty_ledger(start_vault: StartVault) -> None:
+    """A readiness probe or a verifier may ask for the checkpoint before anything is pinned:
+    the vault answers with a signed checkpoint of size 0 (the root of the empty tree), as
+    Tessera does, rather than 404 until the first pin."""
+    vault = start_vault(serve_args=("--tiles-http", "0"))
+    (url,) = [
+        line.split(" at ", 1)[1] for line in vault.banner if "tiles (C2SP tlog-tiles)" in line
+    ]
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(url + "checkpoint", timeout=10) as response:
+                note = response.read().decode()
+            break
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 404
+            assert time.monotonic() < deadline, "no checkpoint published for the empty ledger"
+            time.sleep(0.2)
+    with vault.client() as client:
+        checkpoint = client.verifier().open(note)
+    assert checkpoint.size == 0
+    assert checkpoint.root == hashlib.sha256(b"").digest()

@@ -503,7 +503,13 @@ class Ledger:
                     # Nothing signed yet: from now on each signing writes its tiles first.
                     self._tiles_caught_up = True
                     return
-                if self._tiles_caught_up and latest.size <= self._published:
+                # A ledger with no entries publishes its size-0 checkpoint too: a verifier or
+                # a readiness probe finds one from the first interval on.
+                if (
+                    self._tiles_caught_up
+                    and latest.size <= self._published
+                    and self.tiles.published_note
+                ):
                     return
                 if latest.size - self.tiles.complete <= TILES_STEP:
                     self._write_tiles(latest.size)
