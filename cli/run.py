@@ -177,6 +177,8 @@ def _admission_dict(admission: Admission) -> dict[str, Any]:
         "new": admission.new,
         # A replay's slot in its team's quota; empty for a job that is not a replay.
         "lease": admission.lease,
+        # The blobs of the image found held (0: external, or not an OCI image).
+        "image_blobs": admission.image_blobs,
     }
 
 
@@ -377,6 +379,10 @@ def _run(
             seed=args.seed,
             team=args.team,
         )
+        if admission.image_blobs:
+            blobs = admission.image_blobs
+            named = f"{blobs} {'blob' if blobs == 1 else 'blobs'}"
+            step("✓", f"image held: {named}, each verified when stored", _short(args.image))
         created = "created" if admission.new else "found (same experiment)"
         step("✓", f"pin vault entry {created}", f"entry {admission.entry.entry.index}")
         extra = {ENV_SCRIPT: script_digest} if script_digest else {}

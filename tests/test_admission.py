@@ -432,7 +432,12 @@ def test_an_image_pinned_as_an_oci_manifest_is_admitted_only_once_every_layer_is
 
     lab.put(absent)
     check_input(lab.client, "image", image)
-    assert lab.admit(image=image).new
+    admitted = lab.admit(image=image)
+    assert admitted.new
+    # The admission says what it found: the config and both layers held.
+    assert admitted.image_blobs == 3
+    # Within the verify interval the image is not read again, and the answer says the same.
+    assert lab.admit(image=image).image_blobs == 3
 
 
 def test_a_manifest_stating_another_size_for_a_held_layer_is_not_held(lab: Lab) -> None:
@@ -473,13 +478,18 @@ def test_an_image_index_is_held_only_when_every_manifest_it_lists_is(lab: Lab) -
         check_input(lab.client, "image", image)
 
     lab.put(other_layer)
-    assert lab.admit(image=image).new
+    admitted = lab.admit(image=image)
+    assert admitted.new
+    # Two manifests, and the config and layer each names.
+    assert admitted.image_blobs == 6
 
 
 def test_an_image_pinned_as_one_file_is_held_as_it_was(lab: Lab) -> None:
     """A SIF or tarball image is its one blob: nothing more is asked of it."""
     check_input(lab.client, "image", lab.image)
-    assert lab.admit().new
+    admitted = lab.admit()
+    assert admitted.new
+    assert admitted.image_blobs == 0
 
 
 def test_an_index_listing_more_manifests_than_a_check_reads_is_refused(lab: Lab) -> None:

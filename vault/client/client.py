@@ -151,6 +151,7 @@ class VaultClient:
         *,
         part_size: int | None = None,
         uploads: str | os.PathLike[str] | None = None,
+        copies: int | None = None,
     ) -> PutResult:
         """Store a file by uploading it straight to the vault's object store with a request the
         vault signs for exactly this file's SHA-256 (the store refuses other bytes); returns
@@ -159,7 +160,9 @@ class VaultClient:
         verified. A file larger than one PUT takes (5 GiB), or any with `part_size`, goes up in
         parts, each bound to its own SHA-256; with `uploads` (a folder), an upload in parts
         cut short is resumed by the next put of the same file, which sends only the parts
-        missing."""
+        missing. The file goes to `copies` mirrors at once (default: every mirror the vault
+        keeps the blob on); the result names those that held a verified copy when it
+        returned."""
         from vault.client.direct import put_direct
 
         return put_direct(
@@ -168,6 +171,7 @@ class VaultClient:
             Path(path),
             part_size=part_size,
             uploads=None if uploads is None else Path(uploads),
+            copies=copies,
         )
 
     def get_direct(self, digest: str, path: str | os.PathLike[str]) -> BlobInfo:
@@ -466,7 +470,13 @@ class VaultClient:
                 "this run"
             )
         return Admission(
-            admitted.run_id, admitted, proven, response.new, response.lease, response.team
+            admitted.run_id,
+            admitted,
+            proven,
+            response.new,
+            response.lease,
+            response.team,
+            response.image_blobs,
         )
 
     def release_replay(self, lease: str, *, team: str = "") -> None:

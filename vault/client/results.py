@@ -30,10 +30,13 @@ class BlobInfo:
 
 @dataclass(frozen=True, slots=True)
 class PutResult:
-    """What a put stored (checked to be the bytes sent) and whether the vault lacked it."""
+    """What a put stored (checked to be the bytes sent) and whether the vault lacked it; for
+    a direct put, the mirrors that held a verified copy when it returned (the others follow
+    from the vault's queue)."""
 
     blob: BlobInfo
     created: bool
+    mirrors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,9 @@ class Admission:
     # The team the vault admitted the job for; the run's pin may name the team that first
     # admitted the same inputs.
     team: str
+    # The blobs the image names, each found held by the vault (0: an image pinned as
+    # external, or not an OCI manifest).
+    image_blobs: int = 0
 
     @property
     def seed(self) -> int:

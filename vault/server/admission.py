@@ -276,6 +276,8 @@ class Admitter:
         # are pinned only as external content.
         self._checked: dict[tuple[str, str], float] = {}
         self._external: set[tuple[str, str]] = set()
+        # image digest -> the blobs it names, all found held at its last check.
+        self._image_blobs: dict[str, int] = {}
         self.runs = Runs(ledger, content)
         # (team, inputs without nonce) -> the team's run of them, once found.
         self._found: dict[tuple[str, RunInputs], tuple[AdmittedRun, RunInputs]] = {}
@@ -409,7 +411,13 @@ class Admitter:
             self._check_dataset_files(digest, blob.info.size)
         elif role == "image" and blob.info.size <= MAX_IMAGE_MANIFEST:
             body = bytes(self._read_whole(digest, blob.info.size))
-            check_image_held(digest, body, self._image_manifest, self._lacking)
+            held = check_image_held(digest, body, self._image_manifest, self._lacking)
+            _remember(self._image_blobs, digest, held)
+
+    def image_blobs(self, digest: str) -> int:
+        """How many blobs image `digest` names, all found held when it was last checked (0:
+        external, not an OCI manifest, or not checked since this server started)."""
+        return self._image_blobs.get(digest, 0)
 
     def _image_manifest(self, digest: str) -> bytes:
         """A manifest an image index lists, read whole and verified (check_image_held has

@@ -61,6 +61,7 @@ class AdmissionService(Service, rpc.AdmissionServicer):
             new=admitted.new,
             lease=admitted.lease,
             team=admitted.team,
+            image_blobs=self.admitter.image_blobs(inputs.image),
         )
         self.ledger_service.prove(
             response, [(lambda: response.entry, [admitted.entry])], request.known_size

@@ -245,19 +245,27 @@ class PutResponse(_message.Message):
 
     BLOB_FIELD_NUMBER: _builtins.int
     CREATED_FIELD_NUMBER: _builtins.int
+    MIRRORS_FIELD_NUMBER: _builtins.int
     created: _builtins.bool
     """False when the store already held these bytes."""
     @_builtins.property
     def blob(self) -> Global___BlobInfo: ...
+    @_builtins.property
+    def mirrors(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """For a direct put: the mirrors that held a verified copy when it was acknowledged (the
+        blob's other copies follow from the vault's queue).
+        """
+
     def __init__(
         self,
         *,
         blob: Global___BlobInfo | None = ...,
         created: _builtins.bool = ...,
+        mirrors: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["blob", b"blob"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blob", b"blob", "created", b"created"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blob", b"blob", "created", b"created", "mirrors", b"mirrors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1722,6 +1730,7 @@ class AdmitResponse(_message.Message):
     NEW_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
     TEAM_FIELD_NUMBER: _builtins.int
+    IMAGE_BLOBS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The sha256 of `inputs`, the run's canonical inputs document."""
     seed: _builtins.str
@@ -1732,6 +1741,11 @@ class AdmitResponse(_message.Message):
     """A replay's slot in its team's quota; empty unless `replay_of` was given."""
     team: _builtins.str
     """The team the vault admitted this job for: the credential's, or the one asked for."""
+    image_blobs: _builtins.int
+    """The blobs the image names (its config and layers; for an index, its manifests and all of
+    theirs), every one found held at its stated size: 0 for an image pinned as external, or
+    not an OCI manifest.
+    """
     @_builtins.property
     def entry(self) -> Global___ProvenEntry:
         """The run's `run` pin, with its inclusion proof against `checkpoint`."""
@@ -1752,10 +1766,11 @@ class AdmitResponse(_message.Message):
         new: _builtins.bool = ...,
         lease: _builtins.str = ...,
         team: _builtins.str = ...,
+        image_blobs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "entry", b"entry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "entry", b"entry", "inputs", b"inputs", "lease", b"lease", "new", b"new", "run_id", b"run_id", "seed", b"seed", "team", b"team"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "entry", b"entry", "image_blobs", b"image_blobs", "inputs", b"inputs", "lease", b"lease", "new", b"new", "run_id", b"run_id", "seed", b"seed", "team", b"team"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
