@@ -319,7 +319,10 @@ def test_pushes_need_a_writers_token(vault: Vault) -> None:
     anonymous = vault.registry.as_("")
     refused = anonymous.request("POST", "/v2/lab/x/blobs/uploads/?digest=" + sha256(b"x"), b"x")
     assert refused.status == 401 and refused.codes() == ["UNAUTHORIZED"]
-    assert refused.headers["www-authenticate"].startswith("Basic realm=")
+    assert refused.headers["www-authenticate"] == (
+        f'Bearer realm="http://{vault.registry.address}/token",service="pinvault",'
+        'scope="repository:lab/x:pull,push"'
+    )
     assert anonymous.request("GET", "/v2/").status == 401
     # A reader's token, as podman and skopeo send it with --creds: the password of Basic.
     basic = base64.b64encode(f"puller:{vault.reader}".encode()).decode()
@@ -339,6 +342,87 @@ def test_pushes_need_a_writers_token(vault: Vault) -> None:
     assert vault.admin.find_missing([sha256(b"x")]) == [sha256(b"x")]
     forged = vault.registry.as_(f"Bearer {vault.writer[:-4]}0000")
     assert forged.request("GET", "/v2/").status == 401
+
+
+def _ask_token(registry: Registry, query: str, authorization: str) -> Answer:
+    return registry.as_(authorization).request("GET", f"/token?{query}")
+
+
+def _basic(name: str, token: str) -> str:
+    return "Basic " + base64.b64encode(f"{name}:{token}".encode()).decode()
+
+
+def test_the_token_endpoint_issues_tokens_for_the_scopes_a_role_allows(vault: Vault) -> None:
+    anonymous = vault.registry.as_("")
+    realm = f'realm="http://{vault.registry.address}/token",service="pinvault"'
+    pull = anonymous.request("GET", "/v2/lab/tok/manifests/v1")
+    assert pull.status == 401 and pull.codes() == ["UNAUTHORIZED"]
+    assert pull.headers["www-authenticate"] == (f'Bearer {realm},scope="repository:lab/tok:pull"')
+    assert anonymous.request("GET", "/v2/").headers["www-authenticate"] == f"Bearer {realm}"
+    # The endpoint itself asks for Basic credentials: the vault token as the password.
+    bare = anonymous.request("GET", "/token?service=pinvault&scope=repository:lab/tok:pull")
+    assert bare.status == 401 and bare.headers["www-authenticate"] == 'Basic realm="pinvault"'
+
+    scopes = "service=pinvault&scope=repository:lab/tok:pull,push"
+    issued = _ask_token(vault.registry, scopes, _basic("pusher", vault.writer))
+    assert issued.status == 200, issued
+    answer = issued.json()
+    assert isinstance(answer, dict) and answer["expires_in"] == 300
+    assert answer["access_token"] == answer["token"] and answer["token"].startswith("pvr1.")
+    assert vault.writer not in issued.body.decode()
+    bearer = vault.registry.as_(f"Bearer {answer['token']}")
+    layer = b"pushed with a registry token"
+    bearer.push_blob("lab/tok", layer)
+    assert bearer.request("GET", f"/v2/lab/tok/blobs/{sha256(layer)}").body == layer
+    # Another repository is outside the token: the client is sent back for that scope.
+    elsewhere = bearer.request("GET", f"/v2/lab/other/blobs/{sha256(layer)}")
+    assert elsewhere.status == 401
+    assert elsewhere.headers["www-authenticate"].endswith('scope="repository:lab/other:pull"')
+
+    # A reader asking to push gets a token that pulls only, and its push is denied.
+    read_only = _ask_token(vault.registry, scopes, _basic("puller", vault.reader)).json()
+    assert isinstance(read_only, dict)
+    reader = vault.registry.as_(f"Bearer {read_only['token']}")
+    assert reader.request("GET", f"/v2/lab/tok/blobs/{sha256(layer)}").status == 200
+    denied = reader.request("POST", f"/v2/lab/tok/blobs/uploads/?digest={sha256(b'r')}", b"r")
+    assert denied.status == 403 and denied.codes() == ["DENIED"]
+
+    # A token changed in any byte is not one the vault issued.
+    token = answer["token"]
+    for forged in (token[:-2] + ("AA" if token[-2:] != "AA" else "BB"), token + "x", "pvr1.e30."):
+        refused = vault.registry.as_(f"Bearer {forged}").request("GET", "/v2/")
+        assert refused.status == 401 and refused.codes() == ["UNAUTHORIZED"], forged
+    # Several scopes at once; scopes of other kinds are left out of the token.
+    many = _ask_token(
+        vault.registry,
+        "scope=repository:lab/a:pull&scope=repository:lab/b:pull%20registry:catalog:*",
+        _basic("puller", vault.reader),
+    )
+    assert many.status == 200, many
+    issued_many = many.json()
+    assert isinstance(issued_many, dict)
+    both = vault.registry.as_(f"Bearer {issued_many['token']}")
+    for name in ("lab/a", "lab/b"):
+        assert both.request("GET", f"/v2/{name}/tags/list").status == 404  # pulled, none there
+    wrong_service = _ask_token(vault.registry, "service=elsewhere", _basic("puller", vault.reader))
+    assert wrong_service.status == 400
+
+
+def test_the_token_endpoint_counts_failed_credentials_against_the_address(
+    tmp_path: Path,
+) -> None:
+    env = {**CREDENTIALS, "PINVAULT_SERVER_FAILED_AUTH_BURST": "3"}
+    with _vault(tmp_path, env) as vault:
+        wrong = _basic("pusher", vault.writer[:-8] + "00000000")
+        answers = [_ask_token(vault.registry, "service=pinvault", wrong) for _ in range(5)]
+        assert [a.status for a in answers] == [401, 401, 401, 429, 429]
+        assert answers[-1].codes() == ["TOOMANYREQUESTS"]
+        assert "too many failed credentials" in answers[-1].body.decode()
+        # A forged registry token is a failed credential too; a valid token is never held back.
+        forged = vault.registry.as_("Bearer pvr1.e30.AAAA").request("GET", "/v2/")
+        assert forged.status == 429
+        good = _ask_token(vault.registry, "service=pinvault", _basic("pusher", vault.writer))
+        assert good.status == 200
 
 
 def test_a_moved_tag_resolves_to_the_newest_push_and_the_old_one_stays(vault: Vault) -> None:

@@ -47,6 +47,16 @@ from vault.ledger.records import PinSpec, StoredEntry
 from vault.server.auth import LOCAL, Authenticator, Gate, Identity
 from vault.server.content import Content
 from vault.server.failed_credentials import caller_address
+from vault.server.registry_token import (
+    PREFIX,
+    PULL,
+    PUSH,
+    SERVICE,
+    ExpiredToken,
+    RegistryTokens,
+    parse_scopes,
+    scope_of,
+)
 
 log = logging.getLogger("pinvault")
 
@@ -70,7 +80,11 @@ MAX_MANIFEST_BYTES: Final = 4 * 1024 * 1024
 _JSON: Final = "application/json"
 _OCTETS: Final = "application/octet-stream"
 _API: Final = (("Docker-Distribution-API-Version", "registry/2.0"),)
-_CHALLENGE: Final = (("WWW-Authenticate", 'Basic realm="pinvault"'),)
+# What the token endpoint asks of a caller without credentials.
+_BASIC_CHALLENGE: Final = (("WWW-Authenticate", f'Basic realm="{SERVICE}"'),)
+_TOKEN_PATH: Final = "/token"
+# A Host header the token endpoint's realm may be built from: a name or address and a port.
+_HOST: Final = re.compile(r"(?:[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\])(?::\d{1,5})?")
 _LOOPBACK: Final = ("127.0.0.1", "localhost", "::1", "[::1]")
 _FILE_PIECE: Final = 1024 * 1024
 # Image entries read in one query while resolving a tag or listing tags.
@@ -117,7 +131,7 @@ class Refusal(Exception):
 
 def _refusal(error: VaultError) -> Refusal:
     if isinstance(error, Unauthenticated):
-        return Refusal(401, "UNAUTHORIZED", str(error), _CHALLENGE)
+        return Refusal(401, "UNAUTHORIZED", str(error), _BASIC_CHALLENGE)
     if isinstance(error, PermissionDenied):
         return Refusal(403, "DENIED", str(error))
     if isinstance(error, QuotaExceeded):
@@ -323,7 +337,9 @@ def parse_manifest(body: bytes, content_type: str) -> Manifest:
 
 class Registry:
     """The API's requests, answered from `content` and `ledger`. `tokens`: the vault's bearer
-    tokens (None in local mode, where every caller is the one local user)."""
+    tokens (None in local mode, where every caller is the one local user); `bearer`: the
+    registry tokens its token endpoint issues (by default under a key of this process alone);
+    `scheme`: what the token endpoint's realm is reached by (http or https)."""
 
     def __init__(
         self,
@@ -333,11 +349,17 @@ class Registry:
         uploads: Path,
         *,
         tokens: Authenticator | None = None,
+        bearer: RegistryTokens | None = None,
+        scheme: str = "http",
     ) -> None:
         self.ledger = ledger
         self.content = content
         self.settings = settings
         self.tokens = tokens
+        self.bearer = bearer or RegistryTokens(secrets.token_bytes(32))
+        self.scheme = scheme
+        # host:port this registry listens on, once it does.
+        self.origin = ""
         self.uploads = Uploads(uploads, settings)
 
     # -- the edge's handler
@@ -355,19 +377,24 @@ class Registry:
 
     def _respond(self, request: Request) -> Response:
         parts = urlsplit(request.target)
-        query = _query(parts.query)
         path = parts.path
         if self.tokens is None and not _loopback_host(request.header("Host")):
             raise Refusal(403, "DENIED", "this registry answers only to loopback host names")
+        if path == _TOKEN_PATH and self.tokens is not None:
+            if request.method != "GET":
+                raise _method(request.method)
+            # Its query may repeat `scope`, which the API's own queries may not.
+            return self._token(request, parts.query)
+        query = _query(parts.query)
         if path in ("/v2", "/v2/"):
-            self._identify(request, "read")
+            self._identify(request, PULL)
             return Response(200, b"{}", _JSON, headers=_API)
         route = _ROUTE.fullmatch(path)
         if route is None or len(route["name"]) > _MAX_NAME:
             raise Refusal(404, "NAME_INVALID", f"no such registry path {path[:120]!r}")
         name, method = route["name"], request.method
         if route["upload"] is not None:
-            who = self._identify(request, "write")
+            who = self._identify(request, PUSH, name)
             if route["upload"] == "":
                 if method != "POST":
                     raise _method(method)
@@ -376,40 +403,94 @@ class Registry:
         if route["blob"] is not None:
             if method not in ("GET", "HEAD"):
                 raise _method(method)
-            self._identify(request, "read")
+            self._identify(request, PULL, name)
             return self._blob(request, route["blob"])
         if route["reference"] is not None:
             if method == "PUT":
-                who = self._identify(request, "write")
+                who = self._identify(request, PUSH, name)
                 return self._put_manifest(request, who, name, route["reference"])
             if method not in ("GET", "HEAD"):
                 raise _method(method)
-            self._identify(request, "read")
+            self._identify(request, PULL, name)
             return self._manifest(name, route["reference"])
         if route["tags"] is not None:
             if method != "GET":
                 raise _method(method)
-            self._identify(request, "read")
+            self._identify(request, PULL, name)
             return self._tags(name, query)
         if method != "GET":
             raise _method(method)
-        self._identify(request, "read")
+        self._identify(request, PULL, name)
         return self._referrers(name, route["referrers"], query)
 
-    def _identify(self, request: Request, permission: str) -> Identity:
-        """Who is calling, after checking they may `permission` (read: pull, write: push)."""
+    def _identify(self, request: Request, action: str, name: str = "") -> Identity:
+        """Who is calling, after checking they may `action` (pull, push) on repository `name`
+        (none: the API's root, which any caller with a credential may reach). A caller without
+        one, or whose registry token lacks the scope, is challenged to the token endpoint."""
         if self.tokens is None:
             return LOCAL
+        permission = "write" if action == PUSH else "read"
         given = request.header("Authorization")
-        if not given and permission == "read" and self.settings.anonymous_pull:
+        if not given and action == PULL and self.settings.anonymous_pull:
             return Identity("anonymous", "", "reader")
+        challenge = self._challenge(request, action, name)
         if len(given) != 1:
-            raise Unauthenticated(
-                "this registry needs a vault token: `Authorization: Bearer <token>`, or the "
-                "token as the password of Basic credentials"
+            raise Refusal(
+                401,
+                "UNAUTHORIZED",
+                "this registry needs a credential: a token from its token endpoint, or a vault "
+                "token (`Authorization: Bearer <token>`, or as the password of Basic)",
+                challenge,
             )
         scheme, _, value = given[0].strip().partition(" ")
-        token = value.strip()
+        if scheme.lower() == "bearer" and value.strip().startswith(PREFIX):
+            who = self._granted(request, value.strip(), action, name, challenge)
+        else:
+            who = self._vault_identity(request, scheme, value.strip(), challenge)
+        if not who.may(permission):
+            raise PermissionDenied(f"{who.name} (role {who.role}) may not {action}")
+        return who
+
+    def _granted(
+        self,
+        request: Request,
+        token: str,
+        action: str,
+        name: str,
+        challenge: tuple[tuple[str, str], ...],
+    ) -> Identity:
+        """The identity a registry token was issued to, if it grants `action` on `name`."""
+        try:
+            grant = self.bearer.check(token)
+        except ExpiredToken as exc:
+            raise Refusal(401, "UNAUTHORIZED", str(exc), challenge) from None
+        except Unauthenticated as exc:
+            assert self.tokens is not None
+            refused = self.tokens.refused(caller_address(request.peer), exc)
+            if not isinstance(refused, Unauthenticated):
+                raise refused from None
+            raise Refusal(401, "UNAUTHORIZED", str(exc), challenge) from None
+        if name and not grant.allows(name, action):
+            if not grant.identity.may("write" if action == PUSH else "read"):
+                raise PermissionDenied(
+                    f"{grant.identity.name} (role {grant.identity.role}) may not {action}"
+                )
+            # A scope the caller's role allows but did not ask for: ask the endpoint for it.
+            raise Refusal(
+                401,
+                "UNAUTHORIZED",
+                f"the registry token does not grant {action} on {name}",
+                challenge,
+            )
+        return grant.identity
+
+    def _vault_identity(
+        self, request: Request, scheme: str, value: str, challenge: tuple[tuple[str, str], ...]
+    ) -> Identity:
+        """The identity of a vault token, sent as Bearer or as Basic's password (the name is
+        not checked: the token says who it is)."""
+        assert self.tokens is not None
+        token = value
         if scheme.lower() == "basic":
             try:
                 token = base64.b64decode(token, validate=True).decode().partition(":")[2]
@@ -417,13 +498,76 @@ class Registry:
                 token = ""
         elif scheme.lower() != "bearer":
             token = ""
-        who = Gate("credentials", self.tokens).identify(
-            [("authorization", f"Bearer {token}")], {}, address=caller_address(request.peer)
+        try:
+            return Gate("credentials", self.tokens).identify(
+                [("authorization", f"Bearer {token}")], {}, address=caller_address(request.peer)
+            )
+        except Unauthenticated as exc:
+            raise Refusal(401, "UNAUTHORIZED", str(exc), challenge) from None
+
+    def _challenge(self, request: Request, action: str, name: str) -> tuple[tuple[str, str], ...]:
+        """`WWW-Authenticate: Bearer …`, sending the client to the token endpoint for the scope
+        this request needs."""
+        params = f'realm="{self._realm(request)}",service="{SERVICE}"'
+        if name:
+            params += f',scope="{scope_of(name, action)}"'
+        return (("WWW-Authenticate", f"Bearer {params}"),)
+
+    def _realm(self, request: Request) -> str:
+        # The token endpoint is on this listener: the address the client reached it by. A
+        # caller can point only its own challenge elsewhere, by a Host of its own.
+        hosts = request.header("Host")
+        host = hosts[0].strip() if len(hosts) == 1 else ""
+        if not _HOST.fullmatch(host):
+            host = self.origin or "localhost"
+        return f"{self.scheme}://{host}{_TOKEN_PATH}"
+
+    def _token(self, request: Request, query_text: str) -> Response:
+        """The token endpoint: a caller's vault token (Basic's password, or Bearer) exchanged
+        for a registry token granting the scopes asked that its role allows; without a
+        credential, a pull-only one when anonymous pulls are on."""
+        try:
+            query = parse_qs(query_text, keep_blank_values=True)
+        except ValueError:
+            raise Refusal(400, "UNSUPPORTED", "the query is malformed") from None
+        service = query.get("service", [SERVICE])
+        if service != [SERVICE]:
+            raise Refusal(
+                400, "UNSUPPORTED", f"this token endpoint serves {SERVICE!r}, not {service[:2]}"
+            )
+        try:
+            asked = parse_scopes(query.get("scope", []))
+        except InvalidArgument as exc:
+            raise Refusal(400, "UNSUPPORTED", str(exc)) from None
+        given = request.header("Authorization")
+        if not given and self.settings.anonymous_pull:
+            who = Identity("anonymous", "", "reader")
+        elif len(given) != 1:
+            raise Refusal(
+                401,
+                "UNAUTHORIZED",
+                "the token endpoint needs a vault token as the password of Basic credentials",
+                _BASIC_CHALLENGE,
+            )
+        else:
+            scheme, _, value = given[0].strip().partition(" ")
+            who = self._vault_identity(request, scheme, value.strip(), _BASIC_CHALLENGE)
+        token, grant = self.bearer.issue(who, asked)
+        issued = time.strftime(
+            "%Y-%m-%dT%H:%M:%SZ", time.gmtime(grant.expires - self.bearer.lifetime)
         )
-        if not who.may(permission):
-            action = "push" if permission == "write" else "pull"
-            raise PermissionDenied(f"{who.name} (role {who.role}) may not {action}")
-        return who
+        body = {
+            "token": token,
+            "access_token": token,
+            "expires_in": self.bearer.lifetime,
+            "issued_at": issued,
+        }
+        return Response(
+            200,
+            json.dumps(body).encode(),
+            _JSON,
+            headers=(*_API, ("Cache-Control", "no-store")),
+        )
 
     # -- blobs
 
@@ -809,8 +953,18 @@ class RegistryServer:
     ) -> None:
         host, port = check_registry_access(config)
         settings = config.registry
+        self.tls = _tls_context(config)
+        # Every server of one vault signs with one key, so each checks the registry tokens
+        # any of them issued: a client behind a balancer keeps its token from server to server.
+        bearer = RegistryTokens(str(ledger.key).encode())
         self.registry = Registry(
-            ledger, content, settings, config.data_path / UPLOADS, tokens=tokens
+            ledger,
+            content,
+            settings,
+            config.data_path / UPLOADS,
+            tokens=tokens,
+            bearer=bearer,
+            scheme="https" if self.tls else "http",
         )
         limits = Limits(
             head_seconds=10.0,
@@ -824,7 +978,6 @@ class RegistryServer:
             queue=64,
             methods=frozenset({"GET", "HEAD", "POST", "PATCH", "PUT", "DELETE"}),
         )
-        self.tls = _tls_context(config)
         self.host = host
         self._edge = Edge(
             "registry", self.registry.respond, host, port, limits=limits, tls=self.tls
@@ -837,6 +990,7 @@ class RegistryServer:
 
     def start(self) -> RegistryServer:
         self._edge.start()
+        self.registry.origin = self.url.partition("://")[2]
         log.info("registry (OCI distribution) at %s", self.url)
         return self
 
