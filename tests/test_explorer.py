@@ -24,6 +24,7 @@ from playwright.sync_api import Browser, Page, Route
 from tests.services.vault_server import REPO_ROOT, VaultServer, run_vault
 from vault.client import Credentials, VaultClient
 from vault.ledger.checkpoint import Checkpoint, SigningKey, Verifier
+from vault.ledger.cosignature import WitnessKey
 from vault.ledger.entry import Entry
 from vault.ledger.merkle import (
     MerkleTree,
@@ -447,6 +448,20 @@ def test_a_pinned_verifier_key_that_is_not_the_vaults_fails(
     page.click("#save-settings")
     assert search(page, url, sealed.run_id) == "failed"
     assert f"not the expected {other}" in page.inner_text("#verdict")
+
+
+def test_a_witness_expected_here_that_has_not_cosigned_fails_the_answer(
+    explorer_vault: VaultServer, sealed: SealedRun, page: Page
+) -> None:
+    url = explorer_url(explorer_vault)
+    page.goto(url)
+    page.click("#settings summary")
+    witness = WitnessKey("witness.test/absent", SigningKey.generate("absent").verifier().public_key)
+    page.fill("#expected-witnesses", str(witness))
+    page.click("#save-settings")
+    assert search(page, url, sealed.run_id) == "failed"
+    assert f"carries no cosignature by witness {witness.label}" in page.inner_text("#verdict")
+    assert page.inner_text("#view") == ""
 
 
 def test_a_run_with_more_entries_than_an_answer_carries_still_shows_its_manifest(

@@ -152,3 +152,32 @@ def test_an_altered_bundle_shows_as_failed_naming_what_is_wrong(page: Page, prov
     not_a_bundle.write_text('{"mediaType": "application/vnd.pinvault.bundle.v2+json"}')
     assert open_bundle(page, not_a_bundle) == "failed"
     assert "bundle format version 2 is not supported" in page.inner_text("#verdict")
+
+
+def test_a_witness_expected_here_must_have_cosigned_whatever_the_bundle_names(
+    page: Page, proved: Proved
+) -> None:
+    """A bundle stripped of its witness (the cosignature line and the witness's key both taken
+    out) is still consistent in itself; with the witness expected in the page's settings, it
+    fails, and the honest bundle says the cosignature is of the witness expected here."""
+    witness_label = "+".join(proved.witness_key.split("+")[:2])
+    bundle = json.loads(_without_cosignature(proved).read_bytes())
+    bundle["verificationMaterial"]["witnessKeys"] = []
+    stripped = proved.folder / "browser-no-witness.bundle"
+    stripped.write_text(json.dumps(bundle))
+    assert open_bundle(page, stripped) == "verified"
+    assert "Cosigned" not in page.inner_text("#verdict")
+
+    page.click("#settings summary")
+    page.fill("#expected-witnesses", proved.witness_key)
+    page.click("#save-settings")
+    assert open_bundle(page, proved.run_bundle) == "verified"
+    assert f"Cosigned by witness {witness_label} (the witnesses expected here)" in page.inner_text(
+        "#verdict"
+    )
+    assert open_bundle(page, stripped) == "failed"
+    assert (
+        f"the signed tree head carries no cosignature by witness {witness_label}"
+        in page.inner_text("#verdict")
+    )
+    assert page.inner_text("#view") == ""

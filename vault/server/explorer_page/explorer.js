@@ -254,6 +254,7 @@ async function verifyAnswer(answer, asked) {
   } catch (error) {
     failures.push(`signed tree head: ${error.message}`);
   }
+  result.witnessed = await checkExpectedWitnesses(String(answer.checkpoint), failures);
   if (result.checkpoint) {
     try {
       result.history = await checkHistory(result.key, result.checkpoint);
@@ -370,6 +371,22 @@ async function parseWitnessKey(text) {
   return { text, name, id, label: `${name}+${keyId}`, publicKey: raw.slice(1) };
 }
 
+// The cosignatures of the witnesses expected here (settings) on the signed note `note`: the
+// labels of those that cosigned it, each one missing or not verifying a failure.
+async function checkExpectedWitnesses(note, failures) {
+  const cosigned = [];
+  for (const text of settings.witnesses()) {
+    try {
+      const witness = await parseWitnessKey(text);
+      await checkCosignature(note, witness);
+      cosigned.push(witness.label);
+    } catch (error) {
+      failures.push(`signed tree head: ${error.message}`);
+    }
+  }
+  return cosigned;
+}
+
 // The cosignature by `witness` on the signed note `note`, checked; an error if there is none
 // or it does not verify.
 async function checkCosignature(note, witness) {
@@ -440,6 +457,7 @@ async function verifyBundle(bundle) {
       failures.push(`signed tree head: ${error.message}`);
     }
   }
+  result.witnessed = await checkExpectedWitnesses(note, failures);
   let last = -1;
   for (const item of bundle.tlogEntries) {
     exactFields("an entry of the bundle", item, ["logIndex", "canonicalizedBody", "inclusionProof"]);
@@ -587,8 +605,12 @@ function showBundleVerdict(checked, file) {
         ? ": a key taken from the bundle itself, which shows only that the bundle is consistent; set the vault's expected key to anchor it."
         : " (the expected key set here)."),
   ];
-  if (checked.cosigned.length) {
-    lines.push(`Cosigned by witness ${checked.cosigned.join(", ")} (keys from the bundle).`);
+  if (checked.witnessed.length) {
+    lines.push(`Cosigned by witness ${checked.witnessed.join(", ")} (the witnesses expected here).`);
+  }
+  const others = checked.cosigned.filter((label) => !checked.witnessed.includes(label));
+  if (others.length) {
+    lines.push(`Cosigned by witness ${others.join(", ")} (keys from the bundle).`);
   }
   if (checked.documents.length) lines.push(`Documents checked: ${checked.documents.join(", ")}.`);
   lines.push("A bundle proves that what it holds is in the ledger; it cannot show that nothing was left out.");
@@ -689,6 +711,8 @@ function rowsOf(object) {
 const settings = {
   token: () => sessionStorage.getItem("pinvault-token") || "",
   pinnedKey: () => localStorage.getItem("pinvault-verifier-key") || "",
+  // The witnesses whose cosignatures a signed tree head must carry: one key a line.
+  witnesses: () => (localStorage.getItem("pinvault-witnesses") || "").split("\n").filter((line) => line.trim()),
   save() {
     const token = $("token").value.trim();
     if (token) sessionStorage.setItem("pinvault-token", token);
@@ -696,6 +720,9 @@ const settings = {
     const key = $("pinned-key").value.trim();
     if (key) localStorage.setItem("pinvault-verifier-key", key);
     else localStorage.removeItem("pinvault-verifier-key");
+    const witnesses = $("expected-witnesses").value.split("\n").map((line) => line.trim()).filter(Boolean);
+    if (witnesses.length) localStorage.setItem("pinvault-witnesses", witnesses.join("\n"));
+    else localStorage.removeItem("pinvault-witnesses");
   },
 };
 
@@ -747,6 +774,9 @@ function showVerdict(checked, answer) {
       (settings.pinnedKey() ? " (the expected key set here)." : " (the vault's own key: set an expected key to pin it)."),
     `Signed tree head history: ${checked.history}.`,
   ];
+  if (checked.witnessed.length) {
+    lines.push(`Cosigned by witness ${checked.witnessed.join(", ")} (the witnesses expected here).`);
+  }
   if (documents.length) {
     lines.push(`Documents hashed in this browser to the digests entries pin: ${documents.join(", ")}.`);
   }
@@ -1054,6 +1084,7 @@ function searchFromFragment() {
 
 async function refresh() {
   $("pinned-key").value = settings.pinnedKey();
+  $("expected-witnesses").value = settings.witnesses().join("\n");
   $("token").value = settings.token();
   if (location.protocol === "file:") {
     // The page opened from a copy of its files: no vault to ask, bundles only.
