@@ -18,7 +18,14 @@ from vault.digest import check_digest
 from vault.errors import InvalidArgument, VerificationError
 
 FORMAT_VERSION: Final = 1
-KINDS: Final = ("image", "dataset", "config", "run", "artefact", "checkpoint")
+# The kinds a caller may pin. `hold` keeps a blob from the gc (docs/retention.md).
+KINDS: Final = ("image", "dataset", "config", "run", "artefact", "checkpoint", "hold")
+# The kind of the entry by which the vault's own gc releases a blob's bytes: written by the
+# vault alone, never pinned by a caller (an entry that released bytes it was not asked to would
+# be a way to delete them).
+RELEASE: Final = "release"
+# Every kind an entry may have.
+ALL_KINDS: Final = (*KINDS, RELEASE)
 ZERO_HASH: Final = bytes(32)
 
 MAX_SUBJECTS: Final = 16
@@ -173,6 +180,11 @@ def time_bound(text: str, what: str) -> str:
 
 
 def check_kind(kind: str) -> str:
+    """A kind a caller may pin."""
+    if kind == RELEASE:
+        raise InvalidArgument(
+            f"a {RELEASE!r} entry is written only by the vault's gc (vault gc), never pinned"
+        )
     if kind not in KINDS:
         raise InvalidArgument(f"unknown kind {kind!r}: expected one of {', '.join(KINDS)}")
     return kind

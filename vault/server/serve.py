@@ -30,7 +30,9 @@ from vault.server.explorer import ExplorerServer
 from vault.server.failed_credentials import FailedCredentials
 from vault.server.folder_lock import make_data_folder, only_server
 from vault.server.gatekeeper import Gatekeeper, Limits
+from vault.server.gc_worker import start_gc
 from vault.server.metrics import ScrubWatch, Sources, serve_metrics
+from vault.server.released import ReleasingContent
 from vault.server.sequencer import Ahead, linked_sequencer
 from vault.server.service import build_server
 from vault.server.store_service import ScrubRunner
@@ -265,9 +267,11 @@ def _serve_folder(
             checked=None if ledger.served_tiles is None else ledger.served_tiles.served_bytes,
         ).start()
     store = open_content_store(config)
-    content = Content(db, store, folder=config.hot_path)
+    # Content that knows the blobs the gc released ([retention], docs/retention.md).
+    content = ReleasingContent(db, store, folder=config.hot_path)
     # The migration worker and the scrubber, when there are tiers to manage ([policy]).
     workers = start_tier_workers(config, store, db)
+    gc = start_gc(config, db, content, store, ledger)
     admitter = Admitter(
         ledger,
         content,
@@ -335,6 +339,8 @@ def _serve_folder(
         if tokens is not None:
             tokens.close()
         admitter.close()
+        if gc is not None:
+            gc.close()
         for worker in workers:
             worker.close()
         content.close()
