@@ -198,7 +198,8 @@ class Transfer:
             raise InvalidArgument(
                 f"put_many: {len(expected)} expected digests for {len(sources)} sources"
             )
-        wanted = [str(Digest.parse(e)) if e else "" for e in expected or [None] * len(sources)]
+        parsed = [Digest.parse(e) if e else None for e in expected or [None] * len(sources)]
+        wanted = [str(digest) if digest else "" for digest in parsed]
         # The BLAKE3 and size of each blob as sent. A blob sent with its expected digest needs
         # no hash of its own: the vault refuses it unless its bytes hash to that digest, and the
         # answer is checked to name it.
@@ -207,21 +208,24 @@ class Transfer:
 
         def requests(gate: _CommitGate) -> Iterator[pb.PutBatchRequest]:
             try:
-                blobs: list[pb.PutBatchBlob] = []
+                # Each blob is added to the message in place: one built apart and listed would
+                # be copied in again, its bytes too.
+                message = pb.PutBatchRequest()
                 size = 0
                 for source, digest in zip(sources, wanted, strict=True):
                     data = _read_small(source)
                     local = None if digest else blake3.blake3(data).digest()
                     sent.append((local, len(data)))
-                    if blobs and size + len(data) > BATCH_MESSAGE:
-                        yield pb.PutBatchRequest(blobs=blobs)
-                        blobs, size = [], 0
-                    blobs.append(pb.PutBatchBlob(expected_digest=digest, data=data))
+                    if message.blobs and size + len(data) > BATCH_MESSAGE:
+                        yield message
+                        message, size = pb.PutBatchRequest(), 0
+                    message.blobs.add(expected_digest=digest, data=data)
                     size += len(data)
                 # The last message commits the batch: one stopped before stores none of it.
-                commit = pb.PutBatchCommit(blobs=len(sent), bytes=sum(n for _, n in sent))
+                message.commit.blobs = len(sent)
+                message.commit.bytes = sum(n for _, n in sent)
                 if gate.passes():
-                    yield pb.PutBatchRequest(blobs=blobs, commit=commit)
+                    yield message
             except GeneratorExit:
                 # gRPC closed the stream: the call ended first, and its status says why.
                 raise
@@ -247,9 +251,9 @@ class Transfer:
             if answer.error:
                 refused.append(f"{label}: {answer.error}")
                 continue
-            blob = BlobInfo.from_wire(answer.blob)
+            blob = _stored_info(answer.blob, parsed[number])
             local, size = sent[number]
-            digest = Digest.parse(wanted[number]) if wanted[number] else None
+            digest = parsed[number]
             if (
                 (local is not None and blob.blake3.raw != local)
                 or blob.size != size
@@ -561,6 +565,17 @@ def _spooled(fd: int, info: BlobInfo, start: int, count: int) -> Iterator[pb.Get
             position += len(data)
     finally:
         os.close(fd)
+
+
+def _stored_info(blob: pb.BlobInfo, expected: Digest | None) -> BlobInfo:
+    """BlobInfo.from_wire, but a digest the answer spells exactly as the one expected (parsed
+    already) is taken as that one rather than parsed again: a batch answers thousands."""
+    if expected is None:
+        return BlobInfo.from_wire(blob)
+    named = str(expected)
+    sha256 = expected if blob.sha256 == named else Digest.parse(blob.sha256)
+    blake3_ = expected if blob.blake3 == named else Digest.parse(blob.blake3)
+    return BlobInfo(sha256, blake3_, blob.size, blob.stored_at)
 
 
 def _stored(response: pb.PutResponse, sent_blake3: bytes) -> PutResult:

@@ -147,22 +147,26 @@ def _reread(root: Path, file: _Listed, known: FileEntry) -> bytes:
 def _read_file(root: Path, file: _Listed, *, keep: bool = False) -> tuple[FileEntry, bytes | None]:
     """The file's entry, hashed; with `keep`, also its bytes, read whole (for small files)."""
     # O_NOFOLLOW: the file was a regular file when listed; refuse it if swapped for a link.
+    # The descriptor is read with os.read, not a file object: for a small file, the object
+    # costs more than the reading.
     fd = os.open(file.path, os.O_RDONLY | os.O_NOFOLLOW)
     data: bytes | None = None
-    with os.fdopen(fd, "rb", buffering=0) as f:
-        info = os.fstat(f.fileno())
+    try:
+        info = os.fstat(fd)
         if keep:
             # One read of a byte more than the file has: a file that grew shows it here, one
             # that shrank by coming up short (a regular file is read whole, short only at EOF).
-            data = f.read(info.st_size + 1)
+            data = os.read(fd, info.st_size + 1)
             digest = hashlib.sha256(data)
             size = len(data)
         else:
             digest = hashlib.sha256()
             size = 0
-            while block := f.read(HASH_BLOCK):
+            while block := os.read(fd, HASH_BLOCK):
                 digest.update(block)
                 size += len(block)
+    finally:
+        os.close(fd)
     if size != info.st_size:
         raise _tree_error(root, Path(file.path), "changed while it was being read")
     entry = FileEntry(file.name, size, info.st_mode & 0o777, f"sha256:{digest.hexdigest()}")

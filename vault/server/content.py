@@ -36,6 +36,8 @@ _LOOKUP_BATCH: Final = 10_000
 # statements the server runs. `{0}`: a batch's placeholders.
 FIND: Final = "SELECT sha256, blake3, size, stored_at FROM blobs WHERE {} = ?"
 FIND_MANY: Final = "SELECT sha256, blake3, size, stored_at FROM blobs WHERE sha256 IN ({0})"
+# A batch put's answer: when each blob of the batch was first catalogued.
+STORED_AT: Final = "SELECT sha256, stored_at FROM blobs WHERE sha256 IN ({0})"
 # FindMissing: the rows naming a batch of digests by either name (the batch given twice).
 PRESENT: Final = "SELECT sha256, blake3 FROM blobs WHERE sha256 IN ({0}) OR blake3 IN ({0})"
 
@@ -216,11 +218,15 @@ class Content:
         # Blobs the store already held are recorded too: a crash may have come between a
         # put's store commit and its catalog commit.
         self._catalogue.record_many(infos, datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
-        found = self.find_many([str(info.sha256) for info in infos])
+        # The store's infos are the rows' (the same bytes' digests): only when each row was
+        # made is read back, which keeps its first time for a blob catalogued before.
+        stored_at: dict[str, str] = {}
+        for _, rows in self._batches(STORED_AT, list({str(info.sha256) for info in infos})):
+            stored_at.update(rows)
         return [
             result
             if isinstance(result, IntegrityError)
-            else (found[str(result[0].sha256)], result[1])
+            else (StoredBlob(result[0], stored_at[str(result[0].sha256)]), result[1])
             for result in results
         ]
 

@@ -186,11 +186,12 @@ class ReleasingContent(Content):
     def find_missing(self, digests: Iterable[str]) -> list[str]:
         wanted = list(digests)
         missing = super().find_missing(wanted)
-        present = [d for d in wanted if d.startswith("sha256:") and d not in set(missing)]
+        absent = set(missing)
+        present = [d for d in wanted if d.startswith("sha256:") and d not in absent]
         gone = self.gone(present)
         if not gone:
             return missing
-        lost = set(missing) | set(gone)
+        lost = absent | set(gone)
         return [d for d in wanted if d in lost]
 
     def lacking(self, sha256s: Sequence[bytes], sizes: Mapping[bytes, int]) -> set[bytes]:
