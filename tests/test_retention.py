@@ -6,9 +6,11 @@ of a released blob names the entry that released it."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import random
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,12 +22,16 @@ from tests.conftest import StartVault
 from tests.services.s3 import MinioServer, S3Endpoint
 from tests.services.vault_server import VaultServer, run_vault
 from tests.test_mirror import NAMES, PREFIX, mirror_env
+from tiers.hot import HotTier
 from tiers.warm import WarmTier
 from vault.client import VaultClient
 from vault.digest import Digest
 from vault.errors import InvalidArgument, NotFound
+from vault.ledger.db import open_database
 from vault.runs import Run, start
 from vault.runs.dataset import add_dataset
+from vault.server.released import ReleasingContent
+from vault.store.protocol import put_bytes
 
 DAY = 86_400.0
 
@@ -416,3 +422,56 @@ def _held_anywhere(
     for minio, endpoint in zip(minios, endpoints, strict=True):
         held |= _mirror_digests(minio, endpoint)
     return held
+
+
+def test_a_look_up_on_the_event_loop_never_waits_for_a_batch_being_released(
+    tmp_path: Path,
+) -> None:
+    """On SQLite the server answers look-ups inline on its event loop: one that names a blob
+    of the batch a gc pass is releasing (its copies on every mirror take seconds to remove)
+    must not stall that loop, and so every other call. It takes the blob for released already,
+    so no pin is accepted for bytes about to go; a worker thread still waits for the batch."""
+    db = open_database(f"sqlite:///{tmp_path / 'vault.db'}")
+    content = ReleasingContent(db, HotTier(tmp_path / "hot"), folder=tmp_path / "hot")
+    try:
+        data = unique("being released")
+        stored = put_bytes(content.store, data)
+        content.adopt(stored, "2026-01-01T00:00:00.000000Z")
+        digest = str(stored.sha256)
+        assert content.find_missing([digest]) == []
+        inside, leave = threading.Event(), threading.Event()
+
+        def gc_batch() -> None:
+            with content.releasing([digest]):
+                inside.set()
+                leave.wait(30)
+
+        batch = threading.Thread(target=gc_batch)
+        batch.start()
+        assert inside.wait(10)
+
+        async def on_the_loop() -> list[str]:
+            return content.find_missing([digest])
+
+        async def get_on_the_loop() -> object:
+            return content.get(Digest.parse(digest))
+
+        began = time.monotonic()
+        assert asyncio.run(on_the_loop()) == [digest]
+        assert time.monotonic() - began < 1.0
+        with pytest.raises(NotFound, match="is being released by the vault's gc"):
+            asyncio.run(get_on_the_loop())
+        # Off the loop, a look-up waits for the batch to end.
+        answered: list[list[str]] = []
+        waiting = threading.Thread(target=lambda: answered.append(content.find_missing([digest])))
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive() and answered == []
+        leave.set()
+        batch.join(10)
+        waiting.join(10)
+        assert answered == [[]]
+    finally:
+        leave.set()
+        content.close()
+        db.dispose()

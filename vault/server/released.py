@@ -9,6 +9,7 @@ release entry, read here from the ledger."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -44,10 +45,17 @@ class Release:
     rule: str
 
     def told(self, sha256: Digest | str) -> str:
+        if self.index < 0:
+            return f"blob {sha256} is being released by the vault's gc: its bytes are going"
         return (
             f"blob {sha256} was released by ledger entry {self.index} "
             f"(retention rule {self.rule}): its bytes are no longer kept"
         )
+
+
+# A blob in the batch a gc pass is releasing now, asked about on the event loop: taken for
+# released already (so no pin is accepted for it), rather than waited for.
+BEING_RELEASED: Final = Release(-1, "")
 
 
 class Releases:
@@ -146,9 +154,21 @@ class ReleasingContent(Content):
     def gone(self, sha256s: Iterable[str]) -> dict[str, Release]:
         """Those of these sha256 digests that are released and whose bytes no tier holds."""
         wanted = set(sha256s)
+        being: set[str] = set()
         if self._releasing:
-            self._wait_released(wanted)
-        released = self.releases.among(wanted)
+            if _on_event_loop():
+                # A batch's release takes seconds (its copies on every mirror): the loop that
+                # answers every call must not wait for it.
+                with self._released:
+                    being = self._releasing & wanted
+            else:
+                self._wait_released(wanted)
+        released = self.releases.among(wanted - being)
+        if being:
+            return {**self._gone(released), **dict.fromkeys(being, BEING_RELEASED)}
+        return self._gone(released)
+
+    def _gone(self, released: dict[str, Release]) -> dict[str, Release]:
         if not released:
             return {}
         missing = {
@@ -229,3 +249,12 @@ class ReleasingContent(Content):
         if release is None:
             return NotFound(f"blob {blob.info.sha256} is on no tier")
         return NotFound(release.told(blob.info.sha256))
+
+
+def _on_event_loop() -> bool:
+    """Whether this thread runs an asyncio event loop (a call answered inline on it)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
