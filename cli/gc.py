@@ -75,10 +75,12 @@ def _gc(args: argparse.Namespace, config: Config) -> int:
         f"finished {len(result.finished)} earlier releases; kept {len(result.kept)} pinned "
         f"meanwhile; {len(result.failed)} copies left for the next pass"
     )
+    if result.freed:
+        print(f"the warm tier's packs of released blobs alone removed: {size_text(result.freed)}")
     if result.reclaimable:
         print(
-            f"the warm tier's packs hold {size_text(result.reclaimable)} of deleted blobs, "
-            "freed only by a compaction"
+            f"the warm tier's shared packs still hold {size_text(result.reclaimable)} of "
+            "deleted blobs beside live ones"
         )
     return 0
 

@@ -358,6 +358,55 @@ def test_delete_leaves_a_tombstone_and_the_bytes(tier: WarmTier) -> None:
         assert reopened.reclaimable() == {record.pack: record.length}
 
 
+def test_compaction_removes_the_packs_left_with_deleted_records_alone(
+    tier: WarmTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deleted large blob's pack of its own is removed, its bytes freed; a shared pack
+    holding a live blob beside a deleted one stays whole, its live blob readable. A crash after
+    the index forgot a pack and before its file went leaves a file the next open removes."""
+    kept = put_bytes(tier, content(100, seed=1))
+    small = put_bytes(tier, content(100, seed=2))
+    large_data = [content(CHUNK_SIZE + 1, seed=3), content(CHUNK_SIZE + 5, seed=4)]
+    large = [put_bytes(tier, data) for data in large_data]
+    large_packs = [tier.locate(info.sha256).pack for info in large]
+    shared = tier.locate(kept.sha256).pack
+    small_length = tier.locate(small.sha256).length
+    assert tier.compact() == 0
+
+    for info in (small, *large):
+        tier.delete(info.sha256)
+    sizes = [pack.stat().st_size for pack in large_packs]
+    # The first removal goes as a crash would cut it: the index forgets, the file stays.
+    real_unlink = os.unlink
+    cut = [str(large_packs[0])]
+
+    def crash_once(path: str | os.PathLike[str]) -> None:
+        if str(path) in cut:
+            cut.clear()
+            raise KeyboardInterrupt("killed between the index and the file")
+        real_unlink(path)
+
+    monkeypatch.setattr(os, "unlink", crash_once)
+    with pytest.raises(KeyboardInterrupt):
+        tier.compact()
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    assert large_packs[0].exists()
+    assert tier.compact() == sizes[1]
+    assert not large_packs[1].exists()
+    tier.close()
+    with WarmTier(tier.root) as reopened:
+        # The file the index no longer knows is removed at open.
+        assert not large_packs[0].exists()
+        assert shared.exists()
+        assert get_bytes(reopened, kept.sha256) == content(100, seed=1)
+        assert reopened.reclaimable() == {shared: small_length}
+        assert reopened.compact() == 0
+        # A blob put again after its pack went is stored anew.
+        info, created = reopened.put_many([large_data[0]])[0]
+        assert (info, created) == (large[0], True)
+        assert get_bytes(reopened, large[0].sha256) == large_data[0]
+
+
 # -- durability and group commit ---------------------------------------------------------------
 
 

@@ -45,6 +45,8 @@ CREATE TABLE IF NOT EXISTS tombstones (
     stored_length INTEGER NOT NULL,
     deleted_at TEXT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS blobs_pack ON blobs (pack);
+CREATE INDEX IF NOT EXISTS tombstones_pack ON tombstones (pack);
 """
 _FIND: Final = (
     "SELECT pack, position, stored_length, compression, chunk_list FROM blobs WHERE sha256 = ?"
@@ -186,6 +188,16 @@ def reclaimable(db: sqlite3.Connection) -> list[tuple[int, int]]:
     return [(pack, size) for pack, size in rows]
 
 
+def dead_packs(db: sqlite3.Connection) -> list[tuple[int, int]]:
+    """The sealed packs (number, size) that hold records of deleted blobs and of no live one."""
+    return db.execute(
+        "SELECT number, size FROM packs WHERE sealed = 1"
+        " AND number IN (SELECT DISTINCT pack FROM tombstones)"
+        " AND NOT EXISTS (SELECT 1 FROM blobs WHERE blobs.pack = packs.number)"
+        " ORDER BY number"
+    ).fetchall()
+
+
 def packs(db: sqlite3.Connection) -> dict[int, tuple[int, bool]]:
     """Every pack the index knows: its acknowledged size and whether it is sealed."""
     return {
@@ -206,6 +218,13 @@ def tombstone(db: sqlite3.Connection, raw: bytes) -> bool:
             return False
         db.execute("DELETE FROM blobs WHERE sha256 = ?", (raw,))
     return True
+
+
+def drop_pack(db: sqlite3.Connection, number: int) -> None:
+    """Forget a pack and the tombstones of the records in it (its file is removed after)."""
+    with transaction(db):
+        db.execute("DELETE FROM tombstones WHERE pack = ?", (number,))
+        db.execute("DELETE FROM packs WHERE number = ?", (number,))
 
 
 def add_pack(db: sqlite3.Connection, number: int) -> None:

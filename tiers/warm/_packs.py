@@ -77,6 +77,15 @@ class PackFiles:
                 handle[1] -= 1
                 self._evict()
 
+    def forget(self, number: int) -> None:
+        """Close the read handle on pack `number` if no read holds it (its file is about to
+        be removed: an open handle would keep its blocks allocated)."""
+        with self._lock:
+            handle = self._open.get(number)
+            if handle is not None and handle[1] == 0:
+                del self._open[number]
+                os.close(handle[0])
+
     def close(self) -> None:
         with self._lock:
             for fd, _ in self._open.values():

@@ -172,6 +172,29 @@ class WarmTier(Closing):
             if not _index.tombstone(self._db, raw):
                 raise NotFound(f"blob {sha256} is not in the warm tier")
 
+    def compact(self) -> int:
+        """Remove the sealed packs that hold deleted blobs' records and no live blob's (a
+        large blob's pack of its own once the blob is deleted; a shared pack whose every blob
+        is): their bytes are free at once. Returns how many bytes were freed. The index
+        forgets each pack first: a crash before its file is gone leaves a file the index never
+        heard of, which the next open removes. A shared pack with live blobs beside deleted
+        ones keeps its bytes (their records are not yet rewritten elsewhere)."""
+        freed = 0
+        with self._write_lock:
+            self._check_open()
+            dead = _index.dead_packs(self._db)
+            for number, size in dead:
+                _index.drop_pack(self._db, number)
+                self._files.forget(number)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._pack_path(number))
+                freed += size
+            if dead:
+                fsync_dir(self._archive)
+        if dead:
+            log.info("compacted the warm tier: %d packs removed, %d bytes freed", len(dead), freed)
+        return freed
+
     def reclaimable(self) -> dict[Path, int]:
         """The bytes of deleted blobs' records in each pack: what a compaction would free."""
         with self._reader() as db:

@@ -151,13 +151,15 @@ class Plan:
 class Report:
     """What a pass did: the blobs it released (entries appended), those whose release it
     finished, those it found protected after all, copies it could not remove (left for the
-    next pass), and the warm tier's bytes that wait for a compaction."""
+    next pass), the warm tier's bytes its compaction freed, and those still waiting in packs
+    beside live blobs."""
 
     released: list[Planned] = field(default_factory=list)
     finished: list[Planned] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     reclaimable: int = 0
+    freed: int = 0
     skipped: str = ""
 
     @property
@@ -171,6 +173,7 @@ class Report:
             "finished": [p.as_json() for p in self.finished],
             "kept": self.kept,
             "failed": self.failed,
+            "warm_freed_bytes": self.freed,
             "warm_reclaimable_bytes": self.reclaimable,
             "skipped": self.skipped,
         }
@@ -452,7 +455,7 @@ class Retention:
                 finishing = self._still_releasable(batch, report)
                 self._remove([p.digest for p in finishing], report)
                 report.finished += finishing
-        report.reclaimable = self._reclaimable()
+        report.freed, report.reclaimable = self._compact_warm()
         if report.released or report.finished or report.failed:
             log.info(
                 "gc: released %d blobs (%d bytes), finished %d earlier releases, %d copies "
@@ -557,16 +560,18 @@ class Retention:
         with contextlib.suppress(NotFound):
             tier.delete(sha256)
 
-    def _reclaimable(self) -> int:
-        """The warm tier's bytes of deleted blobs, which wait for a compaction of its packs."""
+    def _compact_warm(self) -> tuple[int, int]:
+        """Compact the warm tier (its packs left with released blobs' records alone are
+        removed); the bytes freed, and those of deleted blobs still in packs beside live ones."""
+        from tiers.warm import WarmTier
+
         manager: TierManager | None = manager_of(self.store)
         if manager is None:
-            return 0
+            return 0, 0
         for tier in manager.tiers:
-            reclaimable = getattr(tier, "reclaimable", None)
-            if reclaimable is not None:
-                return sum(reclaimable().values())
-        return 0
+            if isinstance(tier, WarmTier):
+                return tier.compact(), sum(tier.reclaimable().values())
+        return 0, 0
 
     @contextlib.contextmanager
     def _lease(self) -> Iterator[bool]:
