@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.tier_contract import LARGE, TierContract, content, read_all
-from tiers.warm import PACK_SUFFIX, WarmTier
+from tiers.warm import PACK_SUFFIX, WarmTier, _index
 from vault.digest import Digest, sha256_of
 from vault.errors import FailedPrecondition, IntegrityError, NotFound, Unavailable
 from vault.store.chunks import CHUNK_SIZE, BlobInfo
@@ -405,6 +405,54 @@ def test_compaction_removes_the_packs_left_with_deleted_records_alone(
         info, created = reopened.put_many([large_data[0]])[0]
         assert (info, created) == (large[0], True)
         assert get_bytes(reopened, large[0].sha256) == large_data[0]
+
+
+def test_compaction_rewrites_a_mostly_deleted_shared_pack_and_its_live_blobs_stay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sealed shared pack most of whose blobs are deleted has its live records copied to
+    the open pack and goes; every live blob reads back whole, from its new place, after a
+    reopen too. A crash after the copies and before the index moves them loses nothing: the
+    old pack still serves them, and the bytes copied are cut off at open."""
+    limit = 64 << 10
+    with WarmTier(tmp_path / "warm", pack_limit=limit) as tier:
+        blobs = [content(4096, seed=n) for n in range(40)]
+        infos = [put_bytes(tier, data) for data in blobs]
+        first = tier.locate(infos[0].sha256).pack
+        in_first = [i for i, info in enumerate(infos) if tier.locate(info.sha256).pack == first]
+        assert len(in_first) > 4 and len(packs(tier)) > 1
+        live = in_first[:2]
+        for i in in_first[2:]:
+            tier.delete(infos[i].sha256)
+        size = first.stat().st_size
+        # A crash between the copies and the index transaction.
+        real_move = _index.move_records
+
+        def crash(*args: object, **kwargs: object) -> None:
+            raise KeyboardInterrupt("killed before the index moved the records")
+
+        monkeypatch.setattr(_index, "move_records", crash)
+        with pytest.raises(KeyboardInterrupt):
+            tier.compact()
+        monkeypatch.setattr(_index, "move_records", real_move)
+        assert first.exists()
+        for i in live:
+            assert tier.locate(infos[i].sha256).pack == first
+            assert get_bytes(tier, infos[i].sha256) == blobs[i]
+        freed = tier.compact()
+        assert not first.exists()
+        assert freed >= size - 2 * tier.locate(infos[live[0]].sha256).length
+        for i in live:
+            assert tier.locate(infos[i].sha256).pack != first
+            assert get_bytes(tier, infos[i].sha256) == blobs[i]
+        assert tier.reclaimable() == {}
+    with WarmTier(tmp_path / "warm", pack_limit=limit) as reopened:
+        for i, data in enumerate(blobs):
+            if i in in_first[2:]:
+                assert reopened.info(infos[i].sha256) is None
+            else:
+                assert get_bytes(reopened, infos[i].sha256) == data
+                reopened.verify(infos[i].sha256)
 
 
 # -- durability and group commit ---------------------------------------------------------------

@@ -188,6 +188,51 @@ def reclaimable(db: sqlite3.Connection) -> list[tuple[int, int]]:
     return [(pack, size) for pack, size in rows]
 
 
+def sparse_packs(db: sqlite3.Connection, fraction: float) -> list[int]:
+    """The sealed packs whose deleted blobs' records are at least `fraction` of their size
+    and that still hold a live blob."""
+    return [
+        number
+        for (number,) in db.execute(
+            "SELECT number FROM packs JOIN (SELECT pack, sum(stored_length) AS dead"
+            " FROM tombstones GROUP BY pack) ON pack = number"
+            " WHERE sealed = 1 AND dead >= ? * size"
+            " AND EXISTS (SELECT 1 FROM blobs WHERE blobs.pack = packs.number)"
+            " ORDER BY number",
+            (fraction,),
+        )
+    ]
+
+
+def live_in_pack(db: sqlite3.Connection, number: int) -> list[tuple[bytes, int, int, bytes]]:
+    """The live blobs' records in a pack: sha256 (raw), position, length, chunk list."""
+    return db.execute(
+        "SELECT sha256, position, stored_length, chunk_list FROM blobs WHERE pack = ?"
+        " ORDER BY position",
+        (number,),
+    ).fetchall()
+
+
+def move_records(
+    db: sqlite3.Connection,
+    moved: Iterable[tuple[bytes, int, int]],
+    *,
+    grown: tuple[int, int],
+    emptied: int,
+) -> None:
+    """In one transaction: the records `moved` (sha256, new pack, new position), the pack
+    they went to and its new size (`grown`), and pack `emptied` with its tombstones forgotten."""
+    with transaction(db):
+        db.executemany(
+            "UPDATE blobs SET pack = ?, position = ? WHERE sha256 = ?",
+            [(pack, position, raw) for raw, pack, position in moved],
+        )
+        number, size = grown
+        db.execute("UPDATE packs SET size = ? WHERE number = ?", (size, number))
+        db.execute("DELETE FROM tombstones WHERE pack = ?", (emptied,))
+        db.execute("DELETE FROM packs WHERE number = ?", (emptied,))
+
+
 def dead_packs(db: sqlite3.Connection) -> list[tuple[int, int]]:
     """The sealed packs (number, size) that hold records of deleted blobs and of no live one."""
     return db.execute(

@@ -38,6 +38,9 @@ PACK_LIMIT: Final = 256 << 20
 # large blob never holds the shared pack open for the length of its upload.
 SMALL_LIMIT: Final = CHUNK_SIZE
 LEVEL: Final = 3
+# A sealed pack whose deleted blobs' records are at least this share of it is rewritten by a
+# compaction: its live records copied to the open pack, the pack removed.
+SPARSE: Final = 0.5
 
 # put_many commits this many blobs, or this many bytes of records, at a time: enough that the
 # syncs vanish in the cost per blob, little enough to bound the memory held.
@@ -172,16 +175,20 @@ class WarmTier(Closing):
             if not _index.tombstone(self._db, raw):
                 raise NotFound(f"blob {sha256} is not in the warm tier")
 
-    def compact(self) -> int:
-        """Remove the sealed packs that hold deleted blobs' records and no live blob's (a
-        large blob's pack of its own once the blob is deleted; a shared pack whose every blob
-        is): their bytes are free at once. Returns how many bytes were freed. The index
-        forgets each pack first: a crash before its file is gone leaves a file the index never
-        heard of, which the next open removes. A shared pack with live blobs beside deleted
-        ones keeps its bytes (their records are not yet rewritten elsewhere)."""
+    def compact(self, sparse: float = SPARSE) -> int:
+        """Free the bytes of deleted blobs' records. A sealed pack whose deleted records are
+        at least `sparse` of it has its live records copied, as they are and checked, to the
+        open pack, and goes; a pack left with deleted records alone (a large blob's pack of
+        its own once the blob is deleted; a shared pack whose every blob is) goes at once.
+        Returns how many bytes were freed. The index moves the live records and forgets the
+        pack in one transaction, after the copies are synced and before the file goes: a crash
+        before it leaves unacknowledged bytes the next open cuts off, one after it a file the
+        index never heard of, which the next open removes."""
         freed = 0
         with self._write_lock:
             self._check_open()
+            for number in _index.sparse_packs(self._db, sparse):
+                freed += self._rewrite_live(number)
             dead = _index.dead_packs(self._db)
             for number, size in dead:
                 _index.drop_pack(self._db, number)
@@ -194,6 +201,46 @@ class WarmTier(Closing):
         if dead:
             log.info("compacted the warm tier: %d packs removed, %d bytes freed", len(dead), freed)
         return freed
+
+    def _rewrite_live(self, number: int) -> int:
+        """Copy the live records of sealed pack `number` to the open pack and remove it (the
+        caller holds the write lock); the bytes freed."""
+        path = self._pack_path(number)
+        records: list[tuple[bytes, bytes]] = []
+        with self._files.open(number) as fd:
+            for raw, position, length, encoded in _index.live_in_pack(self._db, number):
+                record = os.pread(fd, length, position)
+                chunks = ChunkList.decode(encoded, Digest.sha256(raw))
+                self._check_trailer(
+                    record[len(record) - trailer_size(chunks.count) :],
+                    Row(number, position, length, "", chunks),
+                )
+                records.append((raw, record))
+        size = os.stat(path).st_size
+        total = sum(len(record) for _, record in records)
+        pack = self._open_pack
+        if pack is None or pack.size + total > self.pack_limit:
+            if pack is not None:
+                self._seal(pack)
+            pack = self._new_pack()
+        start = end = pack.size
+        moved = []
+        for raw, record in records:
+            moved.append((raw, pack.number, end))
+            end += len(record)
+        try:
+            pwrite_all(pack.fd, b"".join(record for _, record in records), start)
+            os.fdatasync(pack.fd)
+            _index.move_records(self._db, moved, grown=(pack.number, end), emptied=number)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(pack.fd, start)
+            raise
+        pack.size = end
+        self._files.forget(number)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return size - total
 
     def reclaimable(self) -> dict[Path, int]:
         """The bytes of deleted blobs' records in each pack: what a compaction would free."""
