@@ -31,6 +31,11 @@ def pack_number(name: str) -> int | None:
     return None
 
 
+class PackGone(IntegrityError):
+    """A pack file that is not there: damage, unless a compaction moved the record asked for
+    between its look-up and the opening of its pack."""
+
+
 @dataclass(slots=True)
 class OpenPack:
     """The pack being appended to: its number, its descriptor, and its acknowledged size."""
@@ -61,7 +66,7 @@ class PackFiles:
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
-                raise IntegrityError(f"pack file {path} is missing") from None
+                raise PackGone(f"pack file {path} is missing") from None
             with self._lock:
                 handle = self._open.get(number)
                 if handle is None:

@@ -19,7 +19,7 @@ from tiers.copies import rehash
 from tiers.warm import _index
 from tiers.warm._codec import ChunkCodec
 from tiers.warm._index import INDEX_NAME, Readers, Row
-from tiers.warm._packs import OpenPack, PackFiles, pack_number, pack_path
+from tiers.warm._packs import OpenPack, PackFiles, PackGone, pack_number, pack_path
 from tiers.warm._record import LENGTH, ZSTD, StoredRecord, check_trailer, frames, trailer_size
 from tiers.warm._writer import Put, WarmWriter, small_put
 from vault.digest import Digest
@@ -269,16 +269,19 @@ class WarmTier(Closing):
     def read(self, sha256: Digest, offset: int = 0, length: int | None = None) -> Iterator[Chunk]:
         row = self._get(sha256)
         wanted = row.chunks.chunk_range(offset, length)
-        return self._read_chunks(row, wanted)
+        return self._following(sha256, row, wanted)
 
     def verify(self, sha256: Digest) -> BlobInfo:
         """Read and decompress the whole record, checking every chunk, and re-hash it all."""
         row = self._get(sha256)
         chunks = row.chunks
-        with self._files.open(row.pack) as fd:
-            # An empty blob has no chunk to read, but its record must still be whole.
-            self._load_trailer(fd, row)
-        found = rehash(chunk.data for chunk in self._read_chunks(row, range(chunks.count)))
+        try:
+            with self._files.open(row.pack) as fd:
+                # An empty blob has no chunk to read, but its record must still be whole.
+                self._load_trailer(fd, row)
+        except PackGone:
+            row = self._moved(sha256, row)
+        found = rehash(chunk.data for chunk in self._following(sha256, row, range(chunks.count)))
         if found != chunks:
             raise IntegrityError(
                 f"stored copy of {sha256} is damaged: its {found.size} bytes hash to "
@@ -323,6 +326,27 @@ class WarmTier(Closing):
         if row is None:
             raise NotFound(f"blob {sha256} is not in the warm tier")
         return row
+
+    def _following(self, sha256: Digest, row: Row, wanted: range) -> Iterator[Chunk]:
+        """The chunks of `row`'s record, or, if its pack went before it was opened, of the
+        record the index names now (a compaction moved it)."""
+        chunks = self._read_chunks(row, wanted)
+        try:
+            first = next(chunks, None)
+        except PackGone:
+            chunks = self._read_chunks(self._moved(sha256, row), wanted)
+            first = next(chunks, None)
+        if first is not None:
+            yield first
+            yield from chunks
+
+    def _moved(self, sha256: Digest, row: Row) -> Row:
+        """Where the index puts the blob now that `row`'s pack is gone: a moved record, or
+        PackGone if the index still names that pack (damage)."""
+        moved = self._get(sha256)
+        if moved.pack == row.pack:
+            raise PackGone(f"pack file {self._pack_path(row.pack)} is missing")
+        return moved
 
     def _read_chunks(self, row: Row, wanted: range) -> Iterator[Chunk]:
         if not wanted:
