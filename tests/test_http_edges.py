@@ -3,7 +3,8 @@ Kubernetes webhook over HTTPS) against slow and hostile callers: many scrapes an
 leave the server with the threads and descriptors it had and its appends working; callers that
 drip a request head one byte at a time, from the same address as genuine callers, delay nobody;
 a head that never completes is closed at its deadline; a full address gives way to a new caller
-by closing its oldest waiting connection."""
+by closing its oldest waiting connection; callers dripping request bodies hold no worker thread
+of an edge that streams them."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import json
 import os
 import socket
 import ssl
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -24,6 +26,7 @@ import pytest
 from tests.services.drips import DRIP_SECONDS, Drips
 from tests.services.vault_server import VaultServer
 from tests.test_k8s_webhook import Webhook
+from vault.http_edge import BodyError, Edge, Limits, Request, Response, Sink
 from vault.server.metrics import LIMITS as METRICS_LIMITS
 
 # Concurrent keep-alive clients, and the calls each endpoint gets from them: on this 2-core
@@ -290,3 +293,73 @@ def closed_after(port: int, data: bytes, *, pause: float) -> float:
         seconds = time.monotonic() - started
     assert seconds > 9, f"closed after {seconds:.1f} s, before the head deadline"
     return seconds
+
+
+class Kept:
+    """A sink that keeps what it is told, for a test to read."""
+
+    def __init__(self, told: list[str]) -> None:
+        self.told = told
+
+    def write(self, piece: bytes) -> Response | None:
+        self.told.append(f"write {len(piece)}")
+        return None
+
+    def finish(self) -> Response:
+        self.told.append("finish")
+        return Response.text(201, "taken")
+
+    def abort(self, error: BodyError) -> Response:
+        self.told.append(f"abort {error.status}")
+        return Response.text(error.status, str(error))
+
+
+def test_slow_uploaders_hold_no_worker_thread_of_an_edge_that_streams_bodies() -> None:
+    """More callers dripping bodies than the edge has worker threads: each worker still runs a
+    fast request while they drip (the two fast requests below each wait for the other, so they
+    pass only if both workers are free at once), and a body whose caller goes is aborted."""
+    workers, slow = 2, 6
+    together = threading.Barrier(workers, timeout=5)
+    told: list[list[str]] = []
+
+    def handler(request: Request) -> Response | Sink:
+        if request.method == "GET":
+            together.wait()
+            return Response.text(200, "together")
+        told.append([])
+        return Kept(told[-1])
+
+    limits = Limits(
+        body_seconds=10.0,
+        min_body_rate=100,
+        max_body_bytes=1 << 20,
+        workers=workers,
+        queue=slow + workers,
+        methods=frozenset({"GET", "PUT"}),
+    )
+    head = b"PUT /x HTTP/1.1\r\nHost: t\r\nContent-Length: 100000\r\n\r\n"
+    with Edge("slow-test", handler, limits=limits) as edge:
+        drips = [socket.create_connection(("127.0.0.1", edge.port)) for _ in range(slow)]
+        try:
+            for drip in drips:
+                drip.sendall(head)
+            time.sleep(0.5)  # every head has been answered with a sink
+            with ThreadPoolExecutor(workers) as pool:
+                for _ in range(3):
+                    for drip in drips:  # 200 bytes a second each: well above the rate
+                        drip.sendall(b"d" * 20)
+                    asked = [
+                        pool.submit(timed, lambda: get(edge.port, "/")) for _ in range(workers)
+                    ]
+                    for status, seconds in (ask.result() for ask in asked):
+                        assert status == 200 and seconds < PROMPT_SECONDS
+                    time.sleep(0.1)
+            # Every slow body is still coming: none was handed on, none has ended.
+            assert told == [[]] * slow
+        finally:
+            for drip in drips:
+                drip.close()
+        deadline = time.monotonic() + 5
+        while told != [["abort 400"]] * slow and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert told == [["abort 400"]] * slow

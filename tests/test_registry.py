@@ -25,7 +25,7 @@ from tests.services import ociconformance
 from tests.services.vault_server import VaultServer, run_vault
 from vault.client import Credentials, VaultClient
 from vault.errors import NotFound
-from vault.http_edge import Edge, Limits, Request, Response
+from vault.http_edge import BodyError, Edge, Limits, Response
 
 CREDENTIALS = {
     "PINVAULT_AUTH_MODE": "credentials",
@@ -501,13 +501,25 @@ def test_in_local_mode_it_answers_loopback_names_only_and_bounds_each_upload(
     assert pinned.entry.kind == "image" and pinned.entry.meta["repository"] == "lab/local"
 
 
-def _streaming_edge(limits: Limits) -> Edge:
-    def handler(request: Request) -> Response:
-        assert request.stream is not None
-        size = sum(len(piece) for piece in request.stream)
-        return Response.text(200, f"{size} bytes")
+class _Counted:
+    """A sink that counts the bytes of the body it is given."""
 
-    return Edge("stream-test", handler, limits=limits)
+    def __init__(self) -> None:
+        self.size = 0
+
+    def write(self, piece: bytes) -> Response | None:
+        self.size += len(piece)
+        return None
+
+    def finish(self) -> Response:
+        return Response.text(200, f"{self.size} bytes")
+
+    def abort(self, error: BodyError) -> Response:
+        return Response.text(error.status, str(error))
+
+
+def _streaming_edge(limits: Limits) -> Edge:
+    return Edge("stream-test", lambda request: _Counted(), limits=limits)
 
 
 def _exchange(port: int, head: bytes, pieces: list[bytes], pause: float = 0.0) -> bytes:

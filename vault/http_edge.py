@@ -1,5 +1,6 @@
 """The one HTTP/1.1 server under every HTTP edge of pinvault (the tiles, metrics and explorer
-endpoints and the Kubernetes webhook), bounded against slow and hostile callers.
+endpoints, the Kubernetes webhook and the OCI registry), bounded against slow and hostile
+callers.
 
 Every request has a total deadline for its head (the TLS handshake included), its body and the
 writing of its answer; connections are capped per client address and in all, and a new one at
@@ -14,13 +15,16 @@ total time of a request head, so a caller sending one byte every few seconds sti
 Here a connection costs a coroutine, not a thread, and h11 parses HTTP/1.1 without doing any I/O,
 so the deadlines are ours.
 
-An edge whose `Limits.min_body_rate` is set takes large bodies (an OCI registry's blob uploads)
-as a stream: its handler starts once the head is in and reads the body in pieces of at most
-1 MiB, each read from the socket only when the handler asks for it, so memory stays bounded
-whatever the size; the body's deadline then grows with what has arrived (`body_seconds` plus
-one second for every `min_body_rate` bytes), and the handler's own `work_seconds` start once
-the body has ended. An answer may be a stream too (`Response.stream`), pulled one piece at a
-time on a worker thread, each piece written within `write_seconds`."""
+A handler that takes a body answers its head with a `Sink` rather than a `Response`, and the
+edge hands the sink the body piece by piece (`write`, then `finish` for the answer, or `abort`
+when the body fails or its caller goes), each call on a worker thread: a thread is taken only
+while there are bytes to process, never while a caller is slow to send them. An edge whose
+`Limits.min_body_rate` is set (an OCI registry's blob uploads) reads such a body on the event
+loop as it comes, in pieces of at most 1 MiB, one in flight per request, so memory stays
+bounded whatever the size; the body's deadline grows with what has arrived (`body_seconds` plus
+one second for every `min_body_rate` bytes). Without it a body is read whole, within
+`body_seconds`, before the handler runs. An answer may be a stream too (`Response.stream`),
+pulled one piece at a time on a worker thread, each piece written within `write_seconds`."""
 
 from __future__ import annotations
 
@@ -32,16 +36,18 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import CancelledError, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Final, Self
+from typing import Any, Final, ParamSpec, Protocol, Self, TypeVar
 
 import h11
 
 from vault.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
 
 TEXT: Final = "text/plain; charset=utf-8"
 NOT_CACHED: Final = "no-store"
@@ -101,10 +107,10 @@ class Request:
     method: str
     target: str
     headers: tuple[tuple[str, str], ...]
+    # The whole body; empty with Limits.min_body_rate, where a handler that takes one returns
+    # a Sink and is given it piece by piece.
     body: bytes
     peer: str
-    # With Limits.min_body_rate: the body, read as it comes (then `body` is empty).
-    stream: BodyStream | None = None
 
     def header(self, name: str) -> list[str]:
         """Every value of the header `name` (any case), in the order sent."""
@@ -141,41 +147,54 @@ class Response:
         return cls(status, line.encode(), headers=headers, close=close)
 
 
-Handler = Callable[[Request], Response]
-
-
 class BodyError(Exception):
-    """A streamed body that cannot be read to its end (too slow, too large, cut off): raised
-    by `BodyStream.read` in the handler, and answered `status` by the edge if it escapes."""
+    """A streamed body that cannot be read to its end (too slow, too large, cut off, the edge
+    stopping): given to the sink's `abort`, and answered `status`."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
 
 
-class BodyStream:
-    """A request body read by the handler's thread as the caller sends it."""
+class Sink(Protocol):
+    """Where a handler takes a request's body: the edge calls `write` with each piece as it
+    comes, then exactly one of `finish` (the whole body is in) or `abort` (it never will be, or a
+    `write` failed), unless a `write` answers first. Every call runs on a worker thread, one at a
+    time."""
 
-    def __init__(
-        self,
-        http: h11.Connection,
-        reader: asyncio.StreamReader,
-        loop: asyncio.AbstractEventLoop,
-        limits: Limits,
-    ) -> None:
+    def write(self, piece: bytes) -> Response | None:
+        """Keep `piece`; an answer ends the request there, the rest of the body unread (the sink
+        has then let go of what it kept, and neither `finish` nor `abort` follows)."""
+        ...
+
+    def finish(self) -> Response:
+        """The answer, once the body has all come."""
+        ...
+
+    def abort(self, error: BodyError) -> Response:
+        """Let go of what was kept; the answer is sent if the caller is still there."""
+        ...
+
+
+# A handler answers a request, or, to take its body, gives the sink that will.
+Handler = Callable[[Request], Response | Sink]
+
+
+class _Body:
+    """A request body read on the event loop as the caller sends it, one piece at a time."""
+
+    def __init__(self, http: h11.Connection, reader: asyncio.StreamReader, limits: Limits) -> None:
         self._http = http
         self._reader = reader
-        self._loop = loop
         self._limits = limits
-        self._began = loop.time()
+        self._began = asyncio.get_running_loop().time()
         self.received = 0
-        self.ended = asyncio.Event()
-        self._failure: BodyError | None = None
+        self.ended = False
         # What h11 already holds, read without waiting: all of a body that is empty.
         self._held = b""
         held = http.next_event()
         if isinstance(held, h11.EndOfMessage):
-            self.ended.set()
+            self.ended = True
         elif isinstance(held, h11.Data):
             self._held = bytes(held.data)
             self.received = len(self._held)
@@ -184,53 +203,27 @@ class BodyStream:
         limits = self._limits
         return self._began + limits.body_seconds + self.received / limits.min_body_rate
 
-    def read(self) -> bytes:
-        """The next piece of the body; b"" once it has all come. BodyError if it cannot."""
-        if self._failure is not None:
-            raise self._failure
-        if self._held:
-            held, self._held = self._held, b""
-            return held
-        if self.ended.is_set():
-            return b""
-        future = asyncio.run_coroutine_threadsafe(self._next(), self._loop)
-        try:
-            return future.result(timeout=max(0.0, self._deadline() - self._loop.time()) + 5.0)
-        except BodyError as exc:
-            self._failure = exc
-            raise
-        except (Exception, CancelledError):
-            # The edge stopping (its tasks cancelled) or its loop gone: the answer goes nowhere.
-            self._failure = BodyError(408, "the request's body was cut off")
-            raise self._failure from None
-
-    def __iter__(self) -> Iterator[bytes]:
-        while piece := self.read():
-            yield piece
-
-    async def _next(self) -> bytes:
-        """Up to _STREAM_PIECE bytes of the body, as soon as that much has come or it ends."""
-        pieces: list[bytes] = []
-        size = 0
-        while size < _STREAM_PIECE:
+    async def next(self) -> bytes:
+        """Up to _STREAM_PIECE bytes of the body, as soon as that much has come or it ends;
+        b"" once it has all come. BodyError if it cannot."""
+        pieces = [self._held] if self._held else []
+        size = len(self._held)
+        self._held = b""
+        while size < _STREAM_PIECE and not self.ended:
             try:
                 async with asyncio.timeout_at(self._deadline()):
                     part = await _next_event(self._http, self._reader, _STREAM_PIECE)
             except TimeoutError:
-                self.ended.set()
                 raise BodyError(408, "the request's body came too slowly") from None
             except h11.RemoteProtocolError as exc:
-                self.ended.set()
                 raise BodyError(exc.error_status_hint, f"bad request: {exc}") from None
             if isinstance(part, h11.EndOfMessage):
-                self.ended.set()
+                self.ended = True
                 break
             if not isinstance(part, h11.Data):
-                self.ended.set()
                 raise BodyError(400, "the request's body was cut off")
             self.received += len(part.data)
             if self.received > self._limits.max_body_bytes:
-                self.ended.set()
                 raise BodyError(413, f"the body is more than {self._limits.max_body_bytes} bytes")
             pieces.append(bytes(part.data))
             size += len(part.data)
@@ -462,13 +455,11 @@ class Edge:
             if not isinstance(event, h11.Request):
                 return
             connection.waiting = False
-            request = await self._request(http, reader, writer, event, connection.peer)
-            if request is None:
+            taken = await self._request(http, reader, writer, event, connection.peer)
+            if taken is None:
                 return
-            response = await self._work(request)
-            if request.stream is not None and not request.stream.ended.is_set():
-                # The handler left some of the body unread: the connection cannot be reused.
-                response = dataclasses.replace(response, close=True)
+            request, body = taken
+            response = await self._respond(http, writer, request, body)
             await self._answer(http, writer, response, head=request.method == "HEAD")
             if http.our_state is not h11.DONE or http.their_state is not h11.DONE:
                 return
@@ -481,8 +472,9 @@ class Edge:
         writer: asyncio.StreamWriter,
         event: h11.Request,
         peer: str,
-    ) -> Request | None:
-        """The whole request `event` opens, or None once it is refused."""
+    ) -> tuple[Request, _Body | None] | None:
+        """The request `event` opens, with its body still to read if it is streamed, or None
+        once it is refused."""
         limits = self.limits
         method = event.method.decode("ascii", "replace")
         headers = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in event.headers)
@@ -503,13 +495,7 @@ class Edge:
             return None
         target = event.target.decode("latin-1")
         if limits.min_body_rate:
-            if http.client_is_waiting_for_100_continue:
-                await self._write(
-                    writer, _sent(http, h11.InformationalResponse(status_code=100, headers=[]))
-                )
-            assert self._loop is not None
-            stream = BodyStream(http, reader, self._loop, limits)
-            return Request(method, target, headers, b"", peer, stream)
+            return Request(method, target, headers, b"", peer), _Body(http, reader, limits)
         body = bytearray()
         try:
             async with asyncio.timeout(limits.body_seconds):
@@ -535,44 +521,135 @@ class Edge:
         except h11.RemoteProtocolError as exc:
             await self._refuse(http, writer, exc.error_status_hint, f"bad request: {exc}")
             return None
-        return Request(method, target, headers, bytes(body), peer)
+        return Request(method, target, headers, bytes(body), peer), None
 
-    async def _work(self, request: Request) -> Response:
-        """The handler's answer, computed on a worker thread."""
+    async def _respond(
+        self,
+        http: h11.Connection,
+        writer: asyncio.StreamWriter,
+        request: Request,
+        body: _Body | None,
+    ) -> Response:
+        """The handler's answer to `request`; `body`: its body, still to read (streamed)."""
         limits = self.limits
         if self._pending >= limits.workers + limits.queue:
-            return Response.text(
-                503, f"the {self.what} server is busy", headers=(("Retry-After", "1"),)
-            )
-        assert self._loop is not None and self._pool is not None
-        self._pending += 1
-        future = self._loop.run_in_executor(self._pool, self._handle, request)
-
-        def done(_: object) -> None:
-            self._pending -= 1
-
-        future.add_done_callback(done)
-        if request.stream is not None:
-            # The handler's time starts once the body has ended (its own deadline bounds it).
-            either = asyncio.Event()
-            future.add_done_callback(lambda _: either.set())
-            watch = asyncio.ensure_future(request.stream.ended.wait())
-            watch.add_done_callback(lambda _: either.set())
-            await either.wait()
-            watch.cancel()
+            return _busy(f"the {self.what} server is busy")
+        handling = self._submit(self._handle, request)
         try:
-            async with asyncio.timeout(limits.work_seconds):
-                return await asyncio.shield(future)
-        except TimeoutError:
-            return Response.text(
-                503, f"the {self.what} server took too long", headers=(("Retry-After", "1"),)
-            )
+            outcome = await self._wait(handling)
+        except _TooLong as late:
+            # A sink the handler gives after all is told at once that no body will come.
+            handling.add_done_callback(_abort_any)
+            return late.response
+        if not isinstance(outcome, Response):
+            return await self._feed(http, writer, request, body, outcome)
+        if body is not None and not body.ended:
+            # The handler left the body unread: the connection cannot be reused.
+            return dataclasses.replace(outcome, close=True)
+        return outcome
 
-    def _handle(self, request: Request) -> Response:
+    async def _feed(
+        self,
+        http: h11.Connection,
+        writer: asyncio.StreamWriter,
+        request: Request,
+        body: _Body | None,
+        sink: Sink,
+    ) -> Response:
+        """The answer of `sink`, given the request's body piece by piece: each piece is read
+        here, on the event loop, and only then handed to a worker thread, so a slow caller costs
+        this coroutine and no thread while it sends."""
+        whole = request.body
+        inflight: Future[Any] | None = None
+        settled = False
+        try:
+            if body is not None and http.client_is_waiting_for_100_continue:
+                await self._write(
+                    writer, _sent(http, h11.InformationalResponse(status_code=100, headers=[]))
+                )
+            while True:
+                if body is None:
+                    piece, whole = whole, b""
+                else:
+                    piece = await body.next()
+                if not piece:
+                    break
+                inflight = writing = self._submit(_faulting(sink.write), piece)
+                early = await self._wait(writing)
+                if early is not None:
+                    settled = True
+                    if body is not None and not body.ended:
+                        return dataclasses.replace(early, close=True)
+                    return early
+            # Once finishing, the sink lets go of what it kept itself, whatever comes of it.
+            settled = True
+            return await self._wait(self._submit(_faulting(sink.finish)))
+        except BodyError as error:
+            aborting = self._submit(_faulting(sink.abort), error)
+            settled = True
+            try:
+                answer = await self._wait(aborting)
+            except (_TooLong, _SinkFault) as failed:
+                return self._failed(request, failed)
+            return dataclasses.replace(answer, close=True)
+        except (_TooLong, _SinkFault) as failed:
+            return self._failed(request, failed)
+        finally:
+            if not settled:
+                self._abort_later(sink, inflight, BodyError(408, "the request was cut off"))
+
+    def _submit(self, work: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> Future[_T]:
+        """`work(*args)` on a worker thread, counted in the edge's pending work."""
+        assert self._pool is not None
+        self._pending += 1
+        future = self._pool.submit(work, *args, **kwargs)
+        asyncio.wrap_future(future).add_done_callback(self._finished)
+        return future
+
+    def _finished(self, _: object) -> None:
+        self._pending -= 1
+
+    async def _wait(self, future: Future[_T]) -> _T:
+        """What `future` returns, within work_seconds; _TooLong past them (its thread goes on,
+        and nothing the caller is waiting for comes of it)."""
+        try:
+            async with asyncio.timeout(self.limits.work_seconds):
+                return await asyncio.shield(asyncio.wrap_future(future))
+        except TimeoutError:
+            raise _TooLong(_busy(f"the {self.what} server took too long")) from None
+
+    def _abort_later(self, sink: Sink, inflight: Future[Any] | None, error: BodyError) -> None:
+        """`sink.abort(error)` on a worker thread once the call it is in (if any) has ended; its
+        answer goes nowhere."""
+        pool = self._pool
+
+        def abort(_: object = None) -> None:
+            if pool is None:
+                return
+            with contextlib.suppress(RuntimeError):  # the pool has shut down with the edge
+                pool.submit(_aborted, sink, error)
+
+        if inflight is None or inflight.done():
+            abort()
+        else:
+            inflight.add_done_callback(abort)
+
+    def _failed(self, request: Request, failed: _TooLong | _SinkFault) -> Response:
+        if isinstance(failed, _TooLong):
+            return failed.response
+        # A fault of the handler's sink: one record, and the connection ends.
+        log.error(
+            "%s request %s %s failed",
+            self.what,
+            request.method,
+            request.target,
+            exc_info=failed.__cause__,
+        )
+        return Response.text(500, f"the {self.what} server failed; see its log", close=True)
+
+    def _handle(self, request: Request) -> Response | Sink:
         try:
             return self._handler(request)
-        except BodyError as exc:
-            return Response.text(exc.status, str(exc), close=True)
         except Exception:
             log.exception("%s request %s %s failed", self.what, request.method, request.target)
             return Response.text(500, f"the {self.what} server failed; see its log", close=True)
@@ -663,6 +740,47 @@ async def _next_event(
         if event is not h11.NEED_DATA:
             return event
         http.receive_data(await reader.read(size))
+
+
+def _busy(message: str) -> Response:
+    return Response.text(503, message, headers=(("Retry-After", "1"),))
+
+
+class _TooLong(Exception):
+    """Work that outran its deadline, and the answer the caller gets for it."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.body.decode())
+        self.response = response
+
+
+class _SinkFault(Exception):
+    """What a sink's call raised (its cause), told apart from the connection's own failures."""
+
+
+def _faulting(call: Callable[_P, _T]) -> Callable[_P, _T]:
+    """`call`, raising _SinkFault for whatever it raises."""
+
+    def called(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        try:
+            return call(*args, **kwargs)
+        except Exception as exc:
+            raise _SinkFault(str(exc)) from exc
+
+    return called
+
+
+def _abort_any(handled: Future[Response | Sink]) -> None:
+    outcome = None if handled.cancelled() or handled.exception() else handled.result()
+    if outcome is not None and not isinstance(outcome, Response):
+        _aborted(outcome, BodyError(503, "the request took too long"))
+
+
+def _aborted(sink: Sink, error: BodyError) -> None:
+    try:
+        sink.abort(error)
+    except Exception:
+        log.exception("a request body's sink failed to let go of it")
 
 
 def _sent(http: h11.Connection, event: h11.Event) -> bytes:

@@ -2,12 +2,17 @@
 HTTP edge: every blob, config and manifest is a blob of the store by its sha256 digest, checked
 when it is written and whenever it is read, and every manifest pushed is pinned as an `image`
 entry whose metadata names its repository and tag. A tag is resolved through the ledger (the
-newest `image` entry naming it in that repository), never trusted as identity."""
+newest `image` entry naming it in that repository), never trusted as identity.
+
+A pushed body goes to a sink of the edge's (`_UploadBody`, `_ManifestBody`), given each piece on
+a worker thread once the edge has read it, so a caller dripping an upload holds no thread; a
+body that fails leaves no part of itself in an upload session or the store."""
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import logging
 import os
@@ -17,10 +22,10 @@ import shutil
 import ssl
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 from sqlalchemy import select
@@ -39,7 +44,7 @@ from vault.errors import (
     VaultError,
 )
 from vault.files import fsync_dir
-from vault.http_edge import BodyError, Edge, Limits, Request, Response
+from vault.http_edge import BodyError, Edge, Limits, Request, Response, Sink
 from vault.ledger import db as tables
 from vault.ledger.entry import Entry
 from vault.ledger.log import Ledger
@@ -59,6 +64,7 @@ from vault.server.registry_token import (
 )
 
 log = logging.getLogger("pinvault")
+_R = TypeVar("_R")
 
 # The kind of entry a pushed manifest is pinned as, and its metadata keys.
 KIND: Final = "image"
@@ -195,15 +201,20 @@ class Uploads:
                     "cancel one first",
                     (("Retry-After", "5"),),
                 )
-            upload_id = secrets.token_urlsafe(24)
-            path = self.folder / upload_id
-            fd = os.open(
-                path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-            )
-            os.close(fd)
-            upload = Upload(upload_id, owner, repository, path)
-            self._open[upload_id] = upload
+            upload = self.scratch(owner, repository)
+            self._open[upload.id] = upload
             return upload
+
+    def scratch(self, owner: str, repository: str) -> Upload:
+        """An upload of one request's body (a monolithic push), which no other request finds
+        and which the request closes whatever comes of it."""
+        upload_id = secrets.token_urlsafe(24)
+        path = self.folder / upload_id
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        os.close(fd)
+        return Upload(upload_id, owner, repository, path)
 
     def get(self, upload_id: str, owner: str, repository: str) -> Upload:
         with self._lock:
@@ -215,29 +226,28 @@ class Uploads:
             upload.touched = time.monotonic()
             return upload
 
-    def append(self, upload: Upload, pieces: Iterator[bytes]) -> None:
-        """Add `pieces` to the upload's file, within its size bound."""
-        too_large = Refusal(
+    def too_large(self, upload: Upload) -> Refusal:
+        """Cancel `upload`, which would pass its size bound, and say why."""
+        self.close(upload)
+        return Refusal(
             413,
             "SIZE_INVALID",
             f"an upload is at most {self.max_bytes} bytes: this one is cancelled",
         )
-        try:
-            with open(upload.path, "ab", buffering=0) as file:
-                for piece in pieces:
-                    if upload.size + len(piece) > self.max_bytes:
-                        raise too_large
-                    file.write(piece)
-                    upload.size += len(piece)
-        except BodyError as exc:
-            if exc.status != 413:
-                raise
-            self.close(upload)
-            raise too_large from None
-        except Refusal:
-            self.close(upload)
-            raise
+
+    def append(self, upload: Upload, piece: bytes) -> None:
+        """Add `piece` to the upload's file, within its size bound."""
+        if upload.size + len(piece) > self.max_bytes:
+            raise self.too_large(upload)
+        with open(upload.path, "ab", buffering=0) as file:
+            file.write(piece)
+        upload.size += len(piece)
         upload.touched = time.monotonic()
+
+    def cut(self, upload: Upload, size: int) -> None:
+        """Drop what was appended to `upload` past `size` bytes (a request's body that failed)."""
+        os.truncate(upload.path, size)
+        upload.size = size
 
     def pieces(self, upload: Upload) -> Iterator[bytes]:
         with open(upload.path, "rb", buffering=0) as file:
@@ -364,18 +374,11 @@ class Registry:
 
     # -- the edge's handler
 
-    def respond(self, request: Request) -> Response:
-        try:
-            return self._respond(request)
-        except Refusal as refusal:
-            return refusal.response()
-        except BodyError as error:
-            code = "SIZE_INVALID" if error.status == 413 else "BLOB_UPLOAD_INVALID"
-            return Refusal(error.status, code, str(error)).response()
-        except VaultError as error:
-            return _refusal(error).response()
+    def respond(self, request: Request) -> Response | Sink:
+        """The answer to `request`, or, for one that pushes bytes, the sink its body goes to."""
+        return _answered(lambda: self._respond(request))
 
-    def _respond(self, request: Request) -> Response:
+    def _respond(self, request: Request) -> Response | Sink:
         parts = urlsplit(request.target)
         path = parts.path
         if self.tokens is None and not _loopback_host(request.header("Host")):
@@ -606,7 +609,7 @@ class Registry:
 
     def _start_upload(
         self, request: Request, who: Identity, name: str, query: Mapping[str, str]
-    ) -> Response:
+    ) -> Response | Sink:
         mounted = query.get("mount")
         if mounted is not None:
             # Every blob of the vault is in every repository: a mount is a look-up.
@@ -615,13 +618,20 @@ class Registry:
                 return _created(name, digest)
         if "digest" in query:
             digest = sha256_digest(query["digest"])
-            return self._put_blob(name, digest, _body(request))
+            upload = self.uploads.scratch(who.name, name)
+            upload.lock.acquire()
+            return _UploadBody(
+                self.uploads,
+                upload,
+                functools.partial(self._put_upload, name, digest, upload),
+                session=False,
+            )
         upload = self.uploads.open(who.name, name)
         return _upload_state(name, upload, 202)
 
     def _upload(
         self, request: Request, who: Identity, name: str, upload_id: str, query: Mapping[str, str]
-    ) -> Response:
+    ) -> Response | Sink:
         upload = self.uploads.get(upload_id, who.name, name)
         method = request.method
         if method == "DELETE":
@@ -631,49 +641,46 @@ class Registry:
             return _upload_state(name, upload, 204)
         if method not in ("PATCH", "PUT"):
             raise _method(method)
+        ranges = request.header("Content-Range")
+        if ranges:
+            stated = _CONTENT_RANGE.fullmatch(ranges[0].strip())
+            if stated is None or int(stated[1]) != upload.size:
+                raise Refusal(
+                    416,
+                    "BLOB_UPLOAD_INVALID",
+                    f"this upload has {upload.size} bytes: a chunk must start there",
+                    _range_header(upload),
+                )
+        if method == "PATCH":
+            then = functools.partial(_upload_state, name, upload, 202)
+        elif "digest" not in query:
+            raise Refusal(400, "DIGEST_INVALID", "the closing PUT needs ?digest=")
+        else:
+            digest = sha256_digest(query["digest"])
+            then = functools.partial(self._put_upload, name, digest, upload)
+        # Held until the body has been taken or given up, whichever thread that ends on.
         if not upload.lock.acquire(blocking=False):
             raise Refusal(416, "BLOB_UPLOAD_INVALID", "another request is writing to this upload")
-        try:
-            ranges = request.header("Content-Range")
-            if ranges:
-                stated = _CONTENT_RANGE.fullmatch(ranges[0].strip())
-                if stated is None or int(stated[1]) != upload.size:
-                    raise Refusal(
-                        416,
-                        "BLOB_UPLOAD_INVALID",
-                        f"this upload has {upload.size} bytes: a chunk must start there",
-                        _range_header(upload),
-                    )
-            self.uploads.append(upload, _body(request))
-            if method == "PATCH":
-                return _upload_state(name, upload, 202)
-            if "digest" not in query:
-                raise Refusal(400, "DIGEST_INVALID", "the closing PUT needs ?digest=")
-            digest = sha256_digest(query["digest"])
-            try:
-                return self._put_blob(name, digest, self.uploads.pieces(upload))
-            finally:
-                self.uploads.close(upload)
-        finally:
-            upload.lock.release()
+        return _UploadBody(self.uploads, upload, then)
 
-    def _put_blob(self, name: str, digest: Digest, pieces: Iterator[bytes]) -> Response:
+    def _put_upload(self, name: str, digest: Digest, upload: Upload) -> Response:
+        """Put the upload's bytes as the blob `digest`, and close the upload whatever comes."""
         try:
-            self.content.put(pieces, digest)
+            self.content.put(self.uploads.pieces(upload), digest)
         except IntegrityError as exc:
             raise Refusal(400, "DIGEST_INVALID", str(exc)) from None
+        finally:
+            self.uploads.close(upload)
         return _created(name, digest)
 
     # -- manifests
 
-    def _put_manifest(self, request: Request, who: Identity, name: str, reference: str) -> Response:
-        body = b""
-        for piece in _body(request):
-            body += piece
-            if len(body) > MAX_MANIFEST_BYTES:
-                raise Refusal(
-                    413, "SIZE_INVALID", f"a manifest is at most {MAX_MANIFEST_BYTES} bytes"
-                )
+    def _put_manifest(self, request: Request, who: Identity, name: str, reference: str) -> Sink:
+        return _ManifestBody(lambda body: self._pin_manifest(request, who, name, reference, body))
+
+    def _pin_manifest(
+        self, request: Request, who: Identity, name: str, reference: str, body: bytes
+    ) -> Response:
         types = request.header("Content-Type")
         manifest = parse_manifest(body, types[0] if types else "")
         tag = ""
@@ -846,10 +853,92 @@ def _method(method: str) -> Refusal:
     )
 
 
-def _body(request: Request) -> Iterator[bytes]:
-    if request.stream is not None:
-        return iter(request.stream)
-    return iter([request.body] if request.body else [])
+def _answered(work: Callable[[], _R]) -> _R | Response:
+    """What `work` returns, or the answer to the refusal or vault error it raised."""
+    try:
+        return work()
+    except Refusal as refusal:
+        return refusal.response()
+    except VaultError as error:
+        return _refusal(error).response()
+
+
+def _body_refused(error: BodyError) -> Response:
+    code = "SIZE_INVALID" if error.status == 413 else "BLOB_UPLOAD_INVALID"
+    return Refusal(error.status, code, str(error)).response()
+
+
+class _UploadBody:
+    """A pushed blob's bytes, appended to `upload` as they come (the edge's sink), then `then`
+    answers. A body that fails leaves an upload session as it was before it (one past the
+    upload's bound cancels it) and closes a request's own upload, so no part of a cut-off body
+    is ever taken for a chunk or a blob. Holds the upload's lock, taken for it, until it
+    answers or is aborted."""
+
+    def __init__(
+        self,
+        uploads: Uploads,
+        upload: Upload,
+        then: Callable[[], Response],
+        *,
+        session: bool = True,
+    ) -> None:
+        self._uploads = uploads
+        self._upload = upload
+        self._began = upload.size
+        self._then = then
+        self._session = session
+
+    def write(self, piece: bytes) -> Response | None:
+        try:
+            self._uploads.append(self._upload, piece)
+        except Refusal as refusal:
+            self._upload.lock.release()
+            return refusal.response()
+        return None
+
+    def finish(self) -> Response:
+        try:
+            return _answered(self._then)
+        finally:
+            self._upload.lock.release()
+
+    def abort(self, error: BodyError) -> Response:
+        try:
+            if error.status == 413:
+                return self._uploads.too_large(self._upload).response()
+            if self._session:
+                self._uploads.cut(self._upload, self._began)
+            else:
+                self._uploads.close(self._upload)
+        finally:
+            self._upload.lock.release()
+        return _body_refused(error)
+
+
+class _ManifestBody:
+    """A pushed manifest's bytes, kept in memory (within the spec's bound) as they come, then
+    given to `then`."""
+
+    def __init__(self, then: Callable[[bytes], Response]) -> None:
+        self._body = bytearray()
+        self._then = then
+
+    def write(self, piece: bytes) -> Response | None:
+        self._body += piece
+        if len(self._body) > MAX_MANIFEST_BYTES:
+            self._body.clear()
+            return Refusal(
+                413, "SIZE_INVALID", f"a manifest is at most {MAX_MANIFEST_BYTES} bytes"
+            ).response()
+        return None
+
+    def finish(self) -> Response:
+        return _answered(lambda: self._then(bytes(self._body)))
+
+    def abort(self, error: BodyError) -> Response:
+        self._body.clear()
+        return _body_refused(error)
 
 
 def _created(name: str, digest: Digest, *, kind: str = "blobs") -> Response:
