@@ -15,7 +15,11 @@ holding the subset in our layout (every chunk verified), and a real `vault serve
 copies are gone, read with `VaultClient.get` (the server checks each chunk, the client the
 digest; on this host the file is handed to the server over its Unix socket). Medians.
 
-    uv run python -m bench.mirror [--total-mib 1024] [--read-mib 1024] [--repeat 3]
+With --encrypted, the replication and the tier manager's cold reads are timed again on
+encrypted mirrors (every chunk sealed with AES-256-GCM, docs/encryption.md), alternated with the
+plain ones, and reported beside them.
+
+    uv run python -m bench.mirror [--total-mib 1024] [--read-mib 1024] [--repeat 3] [--encrypted]
 
 The 10 GiB goal (about 50 GiB of disk at the peak):
 
@@ -28,6 +32,7 @@ import argparse
 import contextlib
 import os
 import random
+import secrets
 import shutil
 import statistics
 import tempfile
@@ -48,7 +53,7 @@ from mirror.queue import ReplicationQueue
 from mirror.replicate import Replicator
 from mirror.store import MirrorReads
 from tests.services.s3 import MinioServer, S3Endpoint
-from tiers.cold import ColdTier
+from tiers.cold import ColdTier, KeyRing
 from tiers.hot import HotTier
 from tiers.manager import TierManager
 from vault.client import VaultClient
@@ -60,6 +65,8 @@ _LABELS = (
     "replicate to 3 mirrors, verified",
     "cold read via tier manager to a file, verified",
     "cold read via `vault serve` (gRPC) to a file, verified twice",
+    "replicate to 3 encrypted mirrors, verified",
+    "cold read of encrypted copies via tier manager",
 )
 _WIDTH = max(len(label) for label in _LABELS)
 # Mixed blobs, by share of the total: large incompressible (model checkpoints), mid-size
@@ -153,13 +160,14 @@ def describe(blobs: list[Blob]) -> str:
     return f"{len(blobs)} blobs, {size / (1 << 20):,.1f} MiB ({classes})"
 
 
-def cold_tier(endpoint: S3Endpoint) -> ColdTier:
+def cold_tier(endpoint: S3Endpoint, keys: KeyRing | None = None) -> ColdTier:
     return ColdTier(
         endpoint_url=endpoint.url,
         bucket=endpoint.bucket,
         access_key_id=endpoint.access_key,
         secret_access_key=endpoint.secret_key,
         region=endpoint.region,
+        keys=keys,
     )
 
 
@@ -168,12 +176,13 @@ def replicate(
     digests: list[tuple[Digest, int]],
     endpoints: list[S3Endpoint],
     replicas: int | None = None,
+    keys: KeyRing | None = None,
 ) -> float:
     """Seconds to bring every blob to its verified copies (one on each endpoint unless
-    `replicas` says fewer), as `vault serve` does."""
+    `replicas` says fewer), as `vault serve` does; encrypted under `keys` if given."""
     with tempfile.TemporaryDirectory(prefix="pinvault-bench-queue-") as folder:
         mirrors = MirrorSet(
-            [Mirror(f"m{n}", cold_tier(e)) for n, e in enumerate(endpoints)],
+            [Mirror(f"m{n}", cold_tier(e, keys)) for n, e in enumerate(endpoints)],
             replicas=replicas or len(endpoints),
         )
         queue = ReplicationQueue(Path(folder) / "mirrors.db")
@@ -291,12 +300,12 @@ def _parallel(calls: list[Callable[[], None]]) -> float:
     return time.perf_counter() - started
 
 
-def report(label: str, ours: float, theirs: float) -> None:
+def report(label: str, ours: float, theirs: float, baseline: str = "boto3") -> None:
     print(
         row(
             label.ljust(_WIDTH),
             f"{ours:.2f} s",
-            f"boto3 {theirs:.2f} s",
+            f"{baseline} {theirs:.2f} s",
             theirs / ours,
             f">= {GOAL:.2f}x",
         )
@@ -347,8 +356,14 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=1024)
     parser.add_argument("--read-mib", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--encrypted",
+        action="store_true",
+        help="also time replication and cold reads on encrypted mirrors, beside plain ones",
+    )
     args = parser.parse_args()
     total = args.total_mib << 20
+    ring = KeyRing([("bench", secrets.token_bytes(32))], secrets.token_bytes(32), "bench")
 
     servers = [MinioServer().start() for _ in range(3)]
     work = Path(tempfile.mkdtemp(prefix="pinvault-bench-mirror-"))
@@ -373,10 +388,15 @@ def main() -> None:
 
         ours: list[float] = []
         theirs: list[float] = []
+        sealed: list[float] = []
         for _ in range(args.repeat):
             endpoints = [server.create_bucket() for server in servers]
             ours.append(replicate(hot, digests, endpoints))
             _purge_all(servers, endpoints)
+            if args.encrypted:
+                endpoints = [server.create_bucket() for server in servers]
+                sealed.append(replicate(hot, digests, endpoints, keys=ring))
+                _purge_all(servers, endpoints)
             plain = [server.create_bucket() for server in servers]
             theirs.append(boto3_upload(paths, plain))
             _purge_all(servers, plain)
@@ -387,6 +407,10 @@ def main() -> None:
             f"  ({rate / ours_s:,.0f} MiB/s of blobs, 3 copies each; "
             f"boto3 {rate / theirs_s:,.0f} MiB/s)"
         )
+        if args.encrypted:
+            sealed_s = statistics.median(sealed)
+            report(_LABELS[3], sealed_s, ours_s, "plain")
+            print(f"  ({rate / sealed_s:,.0f} MiB/s of blobs, 3 copies each)")
 
         # The cold reads, of a subset: a fresh mirror bucket on servers[0] holding it in our
         # layout (replicated from hot), and a plain bucket beside it for boto3.
@@ -399,24 +423,51 @@ def main() -> None:
         client = download.client()
         for blob in reading:
             client.upload_file(str(blob.path), download.bucket, blob.path.name)
+        stored_sealed = servers[0].create_bucket() if args.encrypted else None
+        if stored_sealed is not None:
+            replicate(
+                hot,
+                [(blob.digest, blob.size) for blob in reading],
+                [stored_sealed],
+                replicas=1,
+                keys=ring,
+            )
         reads: list[float] = []
         downloads: list[float] = []
-        with MirrorSet([Mirror("m0", cold_tier(stored))], replicas=1) as mirrors:
-            empty = HotTier(work / "empty-hot")
-            manager = TierManager(
-                [("hot", empty), ("mirror-m0", MirrorReads(mirrors.mirrors[0]))],
-                journal=work / "tiers.db",
-            )
-            # Alternated, so that both see the same machine.
+        sealed_reads: list[float] = []
+        with contextlib.ExitStack() as stack:
+            managers = []
+            for number, (endpoint, keys) in enumerate(((stored, None), (stored_sealed, ring))):
+                if endpoint is None:
+                    continue
+                mirrors = stack.enter_context(
+                    MirrorSet([Mirror("m0", cold_tier(endpoint, keys))], replicas=1)
+                )
+                manager = TierManager(
+                    [
+                        ("hot", HotTier(work / f"empty-hot-{number}")),
+                        ("mirror-m0", MirrorReads(mirrors.mirrors[0])),
+                    ],
+                    journal=work / f"tiers-{number}.db",
+                )
+                stack.callback(manager.close)
+                managers.append(manager)
+            # Alternated, so that all see the same machine.
             for _ in range(args.repeat):
-                reads.append(vault_read(manager, reading, scratch))
+                reads.append(vault_read(managers[0], reading, scratch))
                 downloads.append(boto3_download(download, reading, scratch))
-            manager.close()
+                if stored_sealed is not None:
+                    sealed_reads.append(vault_read(managers[1], reading, scratch))
         purge(servers[0], stored)
         purge(servers[0], download)
         ours_s, theirs_s = statistics.median(reads), statistics.median(downloads)
         report(_LABELS[1], ours_s, theirs_s)
         print(f"  ({rate / ours_s:,.0f} MiB/s read; boto3 {rate / theirs_s:,.0f} MiB/s)")
+        if stored_sealed is not None:
+            purge(servers[0], stored_sealed)
+            sealed_s = statistics.median(sealed_reads)
+            report(_LABELS[4], sealed_s, ours_s, "plain")
+            print(f"  ({rate / sealed_s:,.0f} MiB/s read)")
 
         served = [grpc_cold_read(work, servers[0], reading, scratch) for _ in range(args.repeat)]
         ours_s = statistics.median(served)

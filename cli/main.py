@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Final, NoReturn
 from cli.access import add_access_commands
 from cli.commands import add_command, add_global_options, lazy
 from cli.dataset import add_dataset_commands
+from cli.gc import add_gc_commands
 from cli.mirror import add_mirror_commands
 from cli.output import (
     EXIT_FAILED,
@@ -90,6 +91,8 @@ def cmd_put(args: argparse.Namespace, config: Config) -> int:
     from cli.progress import Progress
     from vault.errors import InvalidArgument
 
+    if args.copies is not None and not args.direct:
+        raise InvalidArgument("--copies says how many mirrors a --direct put uploads to")
     results = []
     with _client(config) as client:
         for path in args.paths:
@@ -111,10 +114,25 @@ def cmd_put(args: argparse.Namespace, config: Config) -> int:
                         "--direct uploads files, named by their own digest: not standard "
                         "input, and not with --expect"
                     )
-                result = client.put_direct(path, uploads=config.state_folder / "uploads")
-                results.append({"path": path, "created": result.created, **_blob_dict(result.blob)})
+                result = client.put_direct(
+                    path, uploads=config.state_folder / "uploads", copies=args.copies
+                )
+                results.append(
+                    {
+                        "path": path,
+                        "created": result.created,
+                        "mirrors": list(result.mirrors),
+                        **_blob_dict(result.blob),
+                    }
+                )
                 if not args.json:
                     print(f"{result.blob.sha256}  {result.blob.blake3}  {shown(str(path))}")
+                    if result.mirrors:
+                        print(
+                            f"  verified on mirrors {', '.join(map(shown, result.mirrors))}; "
+                            "any other copies follow from the vault's queue",
+                            file=sys.stderr,
+                        )
                 continue
             bar = Progress(f"put {path}", total) if not args.json else None
             try:
@@ -266,10 +284,10 @@ def cmd_lookup(args: argparse.Namespace, config: Config) -> int:
 def cmd_log(args: argparse.Namespace, config: Config) -> int:
     from vault.digest import Digest
     from vault.errors import InvalidArgument
-    from vault.ledger.entry import KINDS
+    from vault.ledger.entry import ALL_KINDS
 
-    if args.kind and args.kind not in KINDS:
-        raise InvalidArgument(f"unknown kind {args.kind!r}: expected one of {', '.join(KINDS)}")
+    if args.kind and args.kind not in ALL_KINDS:
+        raise InvalidArgument(f"unknown kind {args.kind!r}: expected one of {', '.join(ALL_KINDS)}")
     with _client(config) as client:
         for entry in client.log(
             start=args.start,
@@ -554,6 +572,7 @@ def build_parser(*, lazy_commands: bool = False) -> argparse.ArgumentParser:
     add_dataset_commands(sub, _client)
     add_mirror_commands(sub)
     add_tier_commands(sub)
+    add_gc_commands(sub, _client)
     add_run_commands(sub, _client)
     add_access_commands(sub, _client, create_token_offline)
     add_command(
@@ -603,6 +622,13 @@ def _put_arguments(p: argparse.ArgumentParser) -> None:
         "--direct",
         action="store_true",
         help="upload straight to the vault's object store (a vault with mirrors); resumable",
+    )
+    p.add_argument(
+        "--copies",
+        type=_positive,
+        metavar="N",
+        help="with --direct: upload to N of the blob's mirrors at once (default: all of them; "
+        "the vault's queue makes the rest)",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_put, moves_blobs=True)

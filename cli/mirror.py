@@ -1,4 +1,4 @@
-"""`vault mirror add|status|sync|repair`, run on the vault's host against its config and data
+"""`vault mirror add|status|sync|repair|rekey`, run on the vault's host against its config and data
 folder (the replication queue is a SQLite file there, safe to share with a running `vault
 serve`): the mirrors are checked, opened and worked on by vault/server/mirror_admin.py, and the
 results printed here."""
@@ -72,6 +72,17 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     )
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_repair)
+
+    q = commands.add_parser(
+        "rekey",
+        help="seal every copy on the encrypted mirrors anew under the key ring's first key, "
+        "so that older keys can be dropped (docs/encryption.md)",
+    )
+    q.add_argument(
+        "--mirror", metavar="NAME", help="only this mirror (default: every encrypted one)"
+    )
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=_rekey)
 
 
 def _add(args: argparse.Namespace, config: Config) -> int:
@@ -254,5 +265,55 @@ def _repair(args: argparse.Namespace, config: Config) -> int:
         raise Unavailable(
             "not checked, unreachable: "
             + "; ".join(f"{name} ({error})" for name, error in report.unreachable.items())
+        )
+    return 0
+
+
+def _rekey(args: argparse.Namespace, config: Config) -> int:
+    from cli.progress import Progress
+    from vault.errors import FailedPrecondition, IntegrityError
+    from vault.server.assembly import open_mirror_set
+
+    with open_mirror_set(config) as mirrors:
+        chosen = [mirrors.get(args.mirror)] if args.mirror else [m for m in mirrors if m.encrypted]
+        if not chosen or not all(mirror.encrypted for mirror in chosen):
+            raise FailedPrecondition(
+                f"mirror {args.mirror} is not encrypted (mirrors.encrypted)"
+                if args.mirror
+                else "no mirror is encrypted (mirrors.encrypted): nothing to rekey"
+            )
+        reports = {}
+        bar = Progress("mirror rekey", None, unit="blobs")
+        try:
+            for mirror in chosen:
+                reports[mirror.name] = mirror.rekey(progress=lambda _: bar.advance(1))
+        finally:
+            bar.close()
+    if args.json:
+        print_json(
+            {
+                "mirrors": {
+                    name: {
+                        "rewritten": r.rewritten,
+                        "current": r.current,
+                        "unreadable": r.unreadable,
+                    }
+                    for name, r in reports.items()
+                }
+            }
+        )
+    else:
+        for name, r in reports.items():
+            for error in r.unreadable:
+                print(f"{name}: {error}")
+            print(
+                f"{name}: {r.rewritten} copies sealed anew, {r.current} already under the "
+                f"current key, {len(r.unreadable)} unreadable"
+            )
+    unreadable = sum(len(r.unreadable) for r in reports.values())
+    if unreadable:
+        raise IntegrityError(
+            f"{unreadable} copies could not be read to rekey: `vault mirror repair` rewrites "
+            "them from a good copy"
         )
     return 0

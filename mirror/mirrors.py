@@ -1,5 +1,6 @@
-"""The mirror set: N S3 endpoints, each a `tiers.cold.ColdTier`, which of them should hold a
-given blob, and what was last seen of each one's health."""
+"""The mirror set: N S3 endpoints, each a `tiers.cold.ColdTier` (encrypted for the mirrors the
+config names), which of them should hold a given blob, and what was last seen of each one's
+health."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import re
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Final
 
-from tiers.cold import ColdTier
+from tiers.cold import ColdTier, KeyRing
 from vault.digest import Digest
-from vault.errors import InvalidArgument, Unavailable
+from vault.errors import ConfigError, IntegrityError, InvalidArgument, NotFound, Unavailable
 from vault.store.protocol import Closing
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
@@ -158,6 +160,16 @@ class Health:
     error: str = ""
 
 
+@dataclass(slots=True)
+class Rekeyed:
+    """What `Mirror.rekey` did: copies sealed anew, copies already under the current key, and
+    the copies it could not read (each error), which `vault mirror repair` rewrites."""
+
+    rewritten: int = 0
+    current: int = 0
+    unreadable: list[str] = field(default_factory=list)
+
+
 class Mirror:
     """One mirror: its name, its cold tier, and its health as last seen by this process."""
 
@@ -188,6 +200,32 @@ class Mirror:
         with self._lock:
             since = self._health.since if self._health.reachable is False else time.time()
             self._health = Health(False, since, error)
+
+    @property
+    def encrypted(self) -> bool:
+        """Whether the mirror's copies are encrypted: no client may put or read them directly."""
+        return self.tier.encrypted
+
+    def rekey(self, progress: Callable[[Digest], None] | None = None) -> Rekeyed:
+        """Seal every copy on this encrypted mirror that is under an older key anew, under the
+        key ring's first key, so that the older key can then be dropped from the ring."""
+        report = Rekeyed()
+        for digest in self.tier.sealed_digests():
+            if isinstance(digest, IntegrityError):
+                report.unreadable.append(str(digest))
+                continue
+            try:
+                if self.tier.rekey(digest):
+                    report.rewritten += 1
+                else:
+                    report.current += 1
+            except NotFound:
+                continue  # deleted meanwhile
+            except IntegrityError as error:
+                report.unreadable.append(str(error))
+            if progress is not None:
+                progress(digest)
+        return report
 
     def probe(self) -> Health:
         """Ask the endpoint now (one HEAD, bounded by the tier's timeouts)."""
@@ -255,8 +293,14 @@ def open_mirrors(
     connect_timeout: float,
     read_timeout: float,
     attempts: int,
+    encrypted: str = "",
+    encryption_keys: str = "",
 ) -> MirrorSet:
-    """A MirrorSet with one ColdTier per endpoint (no request is made yet)."""
+    """A MirrorSet with one ColdTier per endpoint (no request is made yet), those `encrypted`
+    names (see encrypted_mirrors) sealing their copies with the key ring in file
+    `encryption_keys`."""
+    names = encrypted_mirrors(encrypted, encryption_keys, [e.name for e in endpoints])
+    keys = KeyRing.load(Path(encryption_keys).expanduser()) if names else None
     mirrors = [
         Mirror(
             endpoint.name,
@@ -265,6 +309,7 @@ def open_mirrors(
                 connect_timeout=connect_timeout,
                 read_timeout=read_timeout,
                 attempts=attempts,
+                keys=keys if endpoint.name in names else None,
             ),
         )
         for endpoint in endpoints
@@ -272,10 +317,41 @@ def open_mirrors(
     return MirrorSet(mirrors, replicas=replicas)
 
 
+def encrypted_mirrors(encrypted: str, encryption_keys: str, names: Sequence[str]) -> set[str]:
+    """The mirrors `mirrors.encrypted` names (`*`: all of `names`); ConfigError if it names
+    one not configured, or if it and `mirrors.encryption_keys` are not both set or both
+    empty."""
+    items = [item for item in _SEPARATORS.split(encrypted.strip()) if item]
+    if bool(items) != bool(encryption_keys.strip()):
+        raise ConfigError(
+            "mirrors.encrypted and mirrors.encryption_keys go together: "
+            + (
+                "set encryption_keys to the key ring file"
+                if items
+                else "set encrypted to the mirrors to encrypt (or *)"
+            )
+        )
+    if items == ["*"]:
+        return set(names)
+    unknown = [item for item in items if item not in names]
+    if unknown:
+        raise ConfigError(
+            f"mirrors.encrypted names {', '.join(unknown)}, not among the mirrors "
+            f"({', '.join(names)})"
+        )
+    return set(items)
+
+
 def cold_tier(
-    endpoint: MirrorEndpoint, *, connect_timeout: float, read_timeout: float, attempts: int
+    endpoint: MirrorEndpoint,
+    *,
+    connect_timeout: float,
+    read_timeout: float,
+    attempts: int,
+    keys: KeyRing | None = None,
 ) -> ColdTier:
-    """The cold tier that holds a mirror's copies at `endpoint` (no request is made yet)."""
+    """The cold tier that holds a mirror's copies at `endpoint` (no request is made yet),
+    encrypted under `keys` if given."""
     return ColdTier(
         endpoint_url=endpoint.url,
         bucket=endpoint.bucket,
@@ -286,4 +362,5 @@ def cold_tier(
         connect_timeout=connect_timeout,
         read_timeout=read_timeout,
         max_attempts=attempts,
+        keys=keys,
     )

@@ -23,6 +23,7 @@ from typing import Any, Final
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from mirror.uploads import IssuedUploads
 from tiers.placements import JOURNAL_FILE_NAME, MIRROR_TIER_PREFIX, Journal, mirror_tier
 from vault.digest import Digest
 from vault.errors import Unavailable
@@ -109,6 +110,8 @@ class ReplicationQueue:
                 db.execute(text(_INDEX))
             if path is not None and path.exists():
                 self._carry_over(path)
+            # The uploads handed to clients and not yet adopted, in the same database.
+            self.uploads = IssuedUploads(placements)
         except BaseException:
             self.close()
             raise

@@ -16,8 +16,11 @@ from typing import Final
 
 from mirror.mirrors import Mirror, MirrorSet
 from mirror.queue import LEASE_SECONDS, Pending, ReplicationQueue
+from mirror.uploads import Issued, IssuedUploads
+from tiers.cold import DIRECT_PUT_MAX, CheckedUpload
 from vault.digest import Digest
 from vault.errors import IntegrityError, NotFound, Unavailable, VaultError
+from vault.presigned import put
 from vault.store.protocol import BlobStore, copy_blob
 
 log = logging.getLogger("pinvault.mirror")
@@ -25,13 +28,16 @@ log = logging.getLogger("pinvault.mirror")
 # When idle, a worker still looks at the queue this often: another process (`vault mirror
 # sync`) may have queued copies without waking it.
 IDLE_POLL: Final = 5.0
-# How often a worker aborts its mirror's uploads in parts left unfinished (a client that gave
-# up on a direct put, a put cut short), and how old one must be: older than any upload still
-# being sent or resumed. S3 keeps, and bills, their parts until then; MinIO refuses the
-# lifecycle rule (AbortIncompleteMultipartUpload) that would do it.
+# How often a worker deletes its mirror's uploads left unfinished or refused (a client that
+# gave up on a direct put, a put cut short, bytes the vault would not adopt) and aborts its
+# uploads in parts left so, and how old one must be: older than any upload still being sent or
+# resumed. S3 keeps, and bills, them until then; MinIO refuses the lifecycle rule
+# (AbortIncompleteMultipartUpload) that would do part of it. A shorter age sweeps more often.
 SWEEP_INTERVAL: Final = 3600.0
 UNFINISHED_UPLOAD_SECONDS: Final = 2 * 24 * 3600.0
 _BATCH: Final = 32
+# How long the request a copy between mirrors is streamed with stays valid.
+RAW_COPY_EXPIRES: Final = 3600
 
 
 def copy_to_mirror(
@@ -62,6 +68,39 @@ def copy_to_mirror(
         # Another process wrote it between the look-up and the commit: check its copy.
         return tier.verify(digest).size
     return info.size
+
+
+def copy_stored(
+    source: Mirror, target: Mirror, digest: Digest, uploads: IssuedUploads
+) -> int | None:
+    """Copy the blob from mirror `source` to `target` as its bytes are, when `source` keeps
+    them so (a client's direct upload): streamed from the one to a presigned PUT that the
+    other's store takes only with the blob's SHA-256, each chunk checked against the chunk
+    list on the way, then `target`'s index written. Nothing is hashed whole here: the store
+    checks the SHA-256, this process only the chunks' BLAKE3. Returns the blob's size, or
+    None when `source` keeps it otherwise (inline, compressed) or too large for one PUT, or
+    not at all, or when either mirror is encrypted (the stream would carry ciphertext one way or
+    clear bytes the other): the copy is then made through the vault. A damaged source raises
+    IntegrityError, an unreachable mirror Unavailable."""
+    if source.encrypted or target.encrypted:
+        return None
+    try:
+        layout = source.tier.layout(digest)
+    except NotFound:
+        return None
+    size = layout.chunks.size
+    if not layout.raw or size > DIRECT_PUT_MAX:
+        return None
+    upload = target.tier.presign_upload(digest, size, RAW_COPY_EXPIRES)
+    # Recorded first, like an upload handed to a client: a copy cut short is collected.
+    uploads.issued([Issued(target.name, upload.key, digest)])
+    chunks = (chunk.data for chunk in source.tier.read(digest))
+    put(upload.url, upload.headers, chunks, size)
+    checked = CheckedUpload(layout.chunks, ((digest.raw, size),))
+    target.tier.check_copy(checked, upload.key)
+    target.tier.install_upload(checked, upload.key)
+    uploads.adopted([(target.name, upload.key)])
+    return size
 
 
 @dataclass(slots=True)
@@ -100,8 +139,10 @@ class Replicator:
         idle_poll: float = IDLE_POLL,
         owner: str = "",
         lease: float = LEASE_SECONDS,
+        abandoned_after: float = UNFINISHED_UPLOAD_SECONDS,
     ) -> None:
         self.source = source
+        self.abandoned_after = abandoned_after
         # The name its claims on the queue are leased under.
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
         self.lease = lease
@@ -169,17 +210,34 @@ class Replicator:
                 self.queue.unclaim(self.owner, batch[worked:])
         return report
 
-    def sweep(self, mirror: Mirror, older_than: float = UNFINISHED_UPLOAD_SECONDS) -> int:
-        """Abort the mirror's uploads in parts begun more than `older_than` seconds ago;
-        how many. A failure is logged: the next sweep tries again."""
+    def sweep(self, mirror: Mirror, older_than: float | None = None) -> int:
+        """Delete the uploads to the mirror handed out more than `older_than` seconds ago
+        (default: `abandoned_after`) and never adopted, then abort any upload in parts begun
+        as long ago (one handed out before uploads were recorded); how many. A failure is
+        logged: the next sweep tries again."""
+        age = self.abandoned_after if older_than is None else older_than
+        dropped = 0
         try:
-            aborted = mirror.tier.abort_unfinished_uploads(older_than)
+            abandoned = self.queue.uploads.abandoned(mirror.name, age)
+            done: list[tuple[str, str]] = []
+            for upload in abandoned:
+                try:
+                    if mirror.tier.drop_abandoned_upload(
+                        upload.digest, upload.key, upload.upload_id
+                    ):
+                        dropped += 1
+                except IntegrityError as error:
+                    # The blob's index there is damaged and may name it: kept until repaired.
+                    log.warning("mirror %s: keeping %s: %s", mirror.name, upload.key, error)
+                    continue
+                done.append((upload.mirror, upload.key))
+            self.queue.uploads.adopted(done)
+            dropped += mirror.tier.abort_unfinished_uploads(age)
         except VaultError as error:
-            log.warning("mirror %s: aborting unfinished uploads: %s", mirror.name, error)
-            return 0
-        if aborted:
-            log.info("mirror %s: aborted %d unfinished uploads", mirror.name, aborted)
-        return aborted
+            log.warning("mirror %s: collecting abandoned uploads: %s", mirror.name, error)
+        if dropped:
+            log.info("mirror %s: collected %d abandoned uploads", mirror.name, dropped)
+        return dropped
 
     def _run(self, mirror: Mirror) -> None:
         wake = self._wake[mirror.name]
@@ -188,7 +246,7 @@ class Replicator:
             wake.clear()
             if time.monotonic() >= next_sweep:
                 self.sweep(mirror)
-                next_sweep = time.monotonic() + SWEEP_INTERVAL
+                next_sweep = time.monotonic() + min(SWEEP_INTERVAL, self.abandoned_after / 4)
             try:
                 self.drain(mirror, stop=self._stop.is_set)
                 next_try = self.queue.next_try(mirror.name)
@@ -210,7 +268,9 @@ class Replicator:
         """One queued copy, added to `made` once verified; False if the mirror turned out
         unreachable."""
         try:
-            size = copy_to_mirror(self.source, mirror, item.digest, item.size)
+            size = self._copy_stored(mirror, item)
+            if size is None:
+                size = copy_to_mirror(self.source, mirror, item.digest, item.size)
         except NotFound as error:
             if self.source.info(item.digest) is None and not self.queue.placements.placed(
                 item.digest
@@ -237,6 +297,30 @@ class Replicator:
         report.copied += 1
         report.copied_bytes += size
         return True
+
+    def _copy_stored(self, mirror: Mirror, item: Pending) -> int | None:
+        """The copy streamed from another mirror that keeps the blob's bytes as they are
+        (copy_stored), if one does and answers; else None, and the usual copy is made."""
+        if item.size <= mirror.tier.inline_limit:
+            return None
+        held = self.queue.copies(item.digest)
+        for source in self.mirrors:
+            if source is mirror or source.name not in held:
+                continue
+            try:
+                return copy_stored(source, mirror, item.digest, self.queue.uploads)
+            except (IntegrityError, NotFound, Unavailable) as error:
+                # The source's copy is damaged or gone (scrub and repair see to it), or one of
+                # the two cannot be reached: the usual copy finds out which.
+                log.warning(
+                    "mirror %s: streaming %s from %s: %s",
+                    mirror.name,
+                    item.digest,
+                    source.name,
+                    error,
+                )
+                return None
+        return None
 
     def _failed(self, mirror: Mirror, item: Pending, report: DrainReport, error: str) -> None:
         delay = min(self.retry_max, self.retry_min * 2 ** min(item.attempts, 30))

@@ -6,15 +6,41 @@ storage every server reads) before it is acknowledged."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Final
 
 from mirror.mirrors import Mirror, MirrorSet
 from mirror.queue import ReplicationQueue
 from mirror.replicate import Replicator, copy_to_mirror
+from mirror.uploads import Issued
 from tiers.cold import DirectRead, DirectUpload
 from vault.digest import Digest
-from vault.errors import InvalidArgument, NotFound, Unavailable, VaultError
+from vault.errors import (
+    FailedPrecondition,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    VaultError,
+)
 from vault.store.chunks import BlobInfo, Chunk, ChunkList
 from vault.store.protocol import BlobStore, BlobWriter, Closing, CommitHook, Placed, PlacementRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Adopted:
+    """A blob taken in from a client's direct upload: whether the first mirror's copy was
+    new, and the mirrors that held a verified copy once it was taken (the others follow from
+    the queue)."""
+
+    info: BlobInfo
+    created: bool
+    mirrors: tuple[str, ...]
+
+
+# How long a presigned request stays valid by default: a part of a large upload on a slow
+# link starts within it, and a client asks for new ones when it runs out.
+PRESIGN_SECONDS: Final = 3600
 
 
 class ReplicatingStore(Closing, BlobStore):
@@ -35,8 +61,11 @@ class ReplicatingStore(Closing, BlobStore):
         replicator: Replicator,
         *,
         acknowledged: int = 0,
+        presign_seconds: float = PRESIGN_SECONDS,
     ) -> None:
         self.inner = inner
+        # How long the requests handed to a client for a direct transfer stay valid.
+        self.presign_seconds = int(presign_seconds)
         self.mirrors = mirrors
         self.queue = queue
         self.replicator = replicator
@@ -110,13 +139,29 @@ class ReplicatingStore(Closing, BlobStore):
         PUT that takes only the blob's bytes; or, given `parts` (part size, each part's
         SHA-256), an upload in parts, new or the one `resume` names for that mirror (mirror,
         key, upload id). A mirror that cannot begin an upload is left out, while another can:
-        its copy follows from the queue."""
-        wanted = max(1, min(copies, len(self.mirrors.assigned(sha256))))
+        its copy follows from the queue. Encrypted mirrors are never planned (a client would
+        put clear bytes there): their copies follow from the queue, sealed; FailedPrecondition
+        if every mirror is encrypted."""
+        if all(mirror.encrypted for mirror in self.mirrors):
+            raise FailedPrecondition(
+                "every mirror of this vault is encrypted: no direct upload; stream the bytes "
+                "through the vault"
+            )
+        assigned = [m for m in self.mirrors.assigned(sha256) if not m.encrypted]
+        wanted = max(1, min(copies, len(assigned)))
         resumed = {mirror: (key, upload_id) for mirror, key, upload_id in resume}
         # Mirrors resumed keep their uploads: they come first. One the vault no longer has
         # is passed over.
-        ordered = [self.mirrors.get(name) for name in resumed if name in self.mirrors.names]
-        ordered += [mirror for mirror in self._by_preference(sha256) if mirror not in ordered]
+        ordered = [
+            self.mirrors.get(name)
+            for name in resumed
+            if name in self.mirrors.names and not self.mirrors.get(name).encrypted
+        ]
+        ordered += [
+            mirror
+            for mirror in self._by_preference(sha256)
+            if mirror not in ordered and not mirror.encrypted
+        ]
         planned: list[tuple[str, DirectUpload]] = []
         errors: list[str] = []
         for mirror in ordered:
@@ -136,6 +181,10 @@ class ReplicatingStore(Closing, BlobStore):
                 errors.append(f"{mirror.name}: {error}")
         if not planned:
             raise Unavailable("no mirror can take an upload: " + "; ".join(errors))
+        # Recorded before the client learns a key: what it never finishes is collected.
+        self.queue.uploads.issued(
+            Issued(name, upload.key, sha256, upload.upload_id) for name, upload in planned
+        )
         return planned
 
     @staticmethod
@@ -161,21 +210,37 @@ class ReplicatingStore(Closing, BlobStore):
 
     def adopt_uploads(
         self, sha256: Digest, uploads: Sequence[tuple[str, str, str]], size: int = 0
-    ) -> tuple[BlobInfo, bool]:
+    ) -> Adopted:
         """Take in a blob a client uploaded, as a put's copies: each of `uploads` (mirror,
         key, upload id) on its own mirror. The first is read back and hashed here; each other
         counts once its store holds it with the first's checksums, which it took only with
         those bytes, so it is not read. Any upload that is not the blob refuses the whole
         (IntegrityError), before anything is stored under the digest; a mirror that cannot be
         reached now is left to the queue. The copies taken are recorded as placements, and
-        the rest queued, as for any put. Returns the blob and whether the first mirror's copy
-        is new."""
+        the rest queued, as for any put. Only uploads the vault handed out for this blob are
+        taken: not another blob's object, nor one handed out for other bytes. Returns the blob,
+        whether the first mirror's copy is new, and the mirrors that hold a copy now."""
         names = [mirror for mirror, _, _ in uploads]
         if not uploads or len(set(names)) != len(names):
             raise InvalidArgument(
                 f"a finished upload names each mirror once, and at least one: {names}"
             )
         mirrors = [self.mirrors.get(name) for name in names]
+        for mirror in mirrors:
+            if mirror.encrypted:
+                raise FailedPrecondition(
+                    f"mirror {mirror.name} is encrypted: it takes no direct upload; stream the "
+                    "bytes through the vault"
+                )
+        for mirror, (_, key, _) in zip(mirrors, uploads, strict=True):
+            mirror.tier.check_upload_key(key)
+        handed = self.queue.uploads.handed_out(sha256, [(name, key) for name, key, _ in uploads])
+        for name, key, _ in uploads:
+            if (name, key) not in handed:
+                raise IntegrityError(
+                    f"{key} on mirror {name} is not an upload the vault handed out for "
+                    f"{sha256}: refused"
+                )
         first, (_, key, upload_id) = mirrors[0], uploads[0]
         checked = first.tier.check_upload(sha256, key, upload_id, size)
         taken = [(first, key)]
@@ -189,6 +254,7 @@ class ReplicatingStore(Closing, BlobStore):
         created = first.tier.install_upload(checked, taken[0][1])
         info = checked.chunks.info
         made = [(sha256, first.name, info.size)]
+        installed = [(first.name, taken[0][1])]
         for mirror, key in taken[1:]:
             try:
                 mirror.tier.install_upload(checked, key)
@@ -196,21 +262,31 @@ class ReplicatingStore(Closing, BlobStore):
                 mirror.seen_down(str(error))
                 continue
             made.append((sha256, mirror.name, info.size))
+            installed.append((mirror.name, key))
         self.queue.done_many(made)
+        # An upload left out stays recorded: the sweep deletes it unless an index names it.
+        self.queue.uploads.adopted(installed)
         self._queue_copies(info)
-        return info, created
+        return Adopted(info, created, tuple(name for name, _ in installed))
 
     def plan_read(self, sha256: Digest, expires: int) -> DirectRead:
-        """A presigned read of a mirror copy of the blob: NotFound if no mirror has one."""
+        """A presigned read of a mirror copy of the blob: NotFound if no mirror has one;
+        FailedPrecondition if only encrypted mirrors do (a client cannot read those)."""
         copies = self.queue.copies(sha256)
         errors: list[str] = []
+        sealed = [m.name for m in self.mirrors if m.encrypted and m.name in copies]
         for mirror in self._by_preference(sha256):
-            if mirror.name not in copies:
+            if mirror.name not in copies or mirror.encrypted:
                 continue
             try:
                 return mirror.tier.presign_read(sha256, expires)
             except (NotFound, Unavailable) as error:
                 errors.append(f"{mirror.name}: {error}")
+        if sealed and not errors:
+            raise FailedPrecondition(
+                f"{sha256} is kept only on encrypted mirrors ({', '.join(sealed)}), which a "
+                "client cannot read directly: stream it through the vault"
+            )
         raise NotFound(
             f"{sha256} has no mirror copy to read directly"
             + (f" ({'; '.join(errors)})" if errors else "")

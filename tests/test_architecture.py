@@ -24,6 +24,8 @@ FOUNDATION = (
     # The bounded HTTP server under the vault's HTTP endpoints and the Kubernetes webhook.
     "vault.http_edge",
     "vault.sql",
+    # Requests to an object store that the vault presigns, sent by clients and mirrors alike.
+    "vault.presigned",
 )
 # The ledger's storage; the rest of vault.ledger is pure verification on bytes.
 LEDGER_STORAGE = ("vault.ledger.db", "vault.ledger.log", "vault.ledger.tiles")
@@ -38,7 +40,7 @@ STORE_FOR_CLIENTS = (
 )
 # The commands that run on the vault's own host with its configuration: the only ones that
 # open the server's stores.
-HOST_COMMANDS = ("cli.serve", "cli.tier", "cli.mirror")
+HOST_COMMANDS = ("cli.serve", "cli.tier", "cli.mirror", "cli.gc")
 
 
 def _within(module: str, prefixes: tuple[str, ...]) -> bool:

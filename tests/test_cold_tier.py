@@ -5,6 +5,7 @@ metadata, compression, ranged fetches, multipart uploads and their checks, outag
 from __future__ import annotations
 
 import random
+import secrets
 import threading
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -16,7 +17,7 @@ import pytest
 
 from tests.services.s3 import SERVERS, S3Endpoint, S3Server, bucket_is_empty
 from tests.tier_contract import LARGE, TierContract, content, read_all
-from tiers.cold import MIN_PART_SIZE, ColdLayout, ColdTier
+from tiers.cold import MIN_PART_SIZE, ColdLayout, ColdTier, KeyRing
 from vault.digest import Digest, sha256_of
 from vault.errors import IntegrityError, NotFound, Unavailable
 from vault.store.chunks import CHUNK_SIZE, SHA_QUEUE_DEPTH
@@ -37,6 +38,12 @@ def cold_tier(endpoint: S3Endpoint, **options: Any) -> ColdTier:
         region=endpoint.region,
         **options,
     )
+
+
+def key_ring_of(*ids: str) -> KeyRing:
+    """A key ring of fresh keys (`ids`, by default one) for an encrypted tier."""
+    keys = [(key_id, secrets.token_bytes(32)) for key_id in ids or ("k1",)]
+    return KeyRing(keys, secrets.token_bytes(32), "test key ring")
 
 
 def compressible(size: int, seed: int = 0) -> bytes:
@@ -130,10 +137,11 @@ class TestColdTierContract(TierContract):
     """Every blob the contract stores fits in one part, so it runs twice: once with blobs kept
     inline in their index object, once with every blob's data in an object of its own."""
 
-    @pytest.fixture(params=["inline", "data-object"])
+    @pytest.fixture(params=["inline", "data-object", "encrypted-inline", "encrypted-data-object"])
     def store(self, request: pytest.FixtureRequest, s3_endpoint: S3Endpoint) -> Iterator[BlobStore]:
-        inline_limit = None if request.param == "inline" else 0
-        with cold_tier(s3_endpoint, inline_limit=inline_limit) as tier:
+        inline_limit = None if request.param.endswith("inline") else 0
+        ring = key_ring_of() if request.param.startswith("encrypted") else None
+        with cold_tier(s3_endpoint, inline_limit=inline_limit, keys=ring) as tier:
             yield tier
 
     def corrupt(self, store: BlobStore, sha256: Digest, offset: int) -> None:

@@ -120,7 +120,7 @@ def test_a_direct_put_is_on_every_mirror_when_it_returns(
     assert list(uploads.iterdir()) == []
 
 
-@pytest.mark.parametrize(("size", "part"), [(2 * MIB, None), (2 * PART + 7, PART)])
+@pytest.mark.parametrize(("size", "part"), [(9 * MIB, None), (2 * PART + 7, PART)])
 def test_wrong_bytes_to_one_mirror_are_refused_by_its_store_and_its_copy_follows(
     pair: Pair,
     buckets: dict[str, str],
@@ -159,11 +159,20 @@ def test_wrong_bytes_to_one_mirror_are_refused_by_its_store_and_its_copy_follows
     assert str(result.blob.sha256) == digest
     assert holds(minio_server, buckets["a"], digest)
     assert holds(minio_server, buckets["b"], digest)
-    # Mirror c gets its copy from the queue, made by the vault from a good copy.
+    assert sorted(result.mirrors) == ["a", "b"]
+    # Mirror c gets its copy from the queue, made by the vault from a good copy: streamed from
+    # another mirror's upload as its bytes are, into an object its store took only with the
+    # blob's SHA-256 (not decoded, hashed and encoded again: a copy made so has no checksum
+    # of the whole, its parts being sent as they are cut).
     deadline = time.monotonic() + 30
     while not holds(minio_server, victim, digest):
         assert time.monotonic() < deadline, "mirror c never got its copy"
         time.sleep(0.2)
+    head = minio_server.client().head_object(
+        Bucket=victim, Key=uploaded_object(minio_server, victim, digest), ChecksumMode="ENABLED"
+    )
+    assert head["ContentLength"] == size
+    assert head["ChecksumSHA256"] == base64.b64encode(sha256_of(data).raw).decode()
     with b.client() as client:
         out = tmp_path / "out"
         client.get_direct(digest, out)
@@ -330,3 +339,137 @@ def test_unfinished_uploads_are_aborted_once_old(minio_server: MinioServer) -> N
             tier.close()
     finally:
         minio_server.delete_bucket(endpoint.bucket)
+
+
+def test_uploads_given_up_are_deleted_once_old_and_finished_ones_kept(
+    tmp_path: Path, postgres_server: PostgresServer, minio_server: MinioServer
+) -> None:
+    """A client handed uploads it never finishes (it gave up, or was cut off) leaves objects,
+    and uploads in parts, on every mirror; the vault deletes them once older than
+    `mirrors.abandoned_uploads`, whichever server handed them out, and keeps every object a
+    finished put made its copy of. A finish sent after that is refused."""
+    with pair_on_new_database(
+        tmp_path, postgres_server, minio_server, abandoned_uploads="3"
+    ) as started:
+        a, b, _ = started
+        buckets = {
+            name: urllib.parse.urlsplit(str(row["where"])).path.strip("/").split("/")[0]
+            for name, row in mirror_rows(started).items()
+        }
+        s3 = minio_server.client()
+        kept = tmp_path / "kept.bin"
+        kept.write_bytes(os.urandom(2 * MIB))
+        with a.client() as client:
+            put = client.put_direct(kept)
+        assert sorted(put.mirrors) == sorted(NAMES)
+        kept_objects = {
+            name: uploaded_object(minio_server, bucket, str(put.blob.sha256))
+            for name, bucket in buckets.items()
+        }
+        given_up = os.urandom(MIB)
+        in_parts = os.urandom(PART + 1)
+        with grpc.insecure_channel(b.address) as channel:
+            store = rpc.StoreStub(channel)
+            plan = store.DirectPut(
+                pb.DirectPutRequest(sha256=str(sha256_of(given_up)), size=len(given_up), copies=3),
+                timeout=30,
+            )
+            objects = [(plan.mirror, plan.key, plan.url, dict(plan.headers))]
+            objects += [(c.mirror, c.key, c.url, dict(c.headers)) for c in plan.copies]
+            for _, _, url, headers in objects:
+                assert http_put(url, headers, given_up)[0] == 200
+            parts = [sha256_of(in_parts[:PART]).raw, sha256_of(in_parts[PART:]).raw]
+            begun = store.DirectPut(
+                pb.DirectPutRequest(
+                    sha256=str(sha256_of(in_parts)),
+                    size=len(in_parts),
+                    part_size=PART,
+                    part_sha256=parts,
+                ),
+                timeout=30,
+            )
+            part_one = base64.b64encode(parts[0]).decode()
+            assert (
+                http_put(begun.part_urls[0], {"x-amz-checksum-sha256": part_one}, in_parts[:PART])[
+                    0
+                ]
+                == 200
+            )
+
+            def present(mirror: str, key: str) -> bool:
+                listed = s3.list_objects_v2(Bucket=buckets[mirror], Prefix=key)
+                return any(item["Key"] == key for item in listed.get("Contents", ()))
+
+            def unfinished(mirror: str) -> list[str]:
+                found = s3.list_multipart_uploads(Bucket=buckets[mirror])
+                return [upload["Key"] for upload in found.get("Uploads", ())]
+
+            assert all(present(mirror, key) for mirror, key, _, _ in objects)
+            assert begun.key in unfinished(begun.mirror)
+            deadline = time.monotonic() + 60
+            while any(present(mirror, key) for mirror, key, _, _ in objects) or (
+                begun.key in unfinished(begun.mirror)
+            ):
+                assert time.monotonic() < deadline, "abandoned uploads were never deleted"
+                time.sleep(0.5)
+            for name, key in kept_objects.items():
+                assert present(name, key), f"{name}: a finished put's object was deleted"
+            with pytest.raises(grpc.RpcError) as refused:
+                store.FinishDirectPut(
+                    pb.FinishDirectPutRequest(
+                        sha256=str(sha256_of(given_up)), mirror=plan.mirror, key=plan.key
+                    ),
+                    timeout=30,
+                )
+            assert refused.value.code() == grpc.StatusCode.DATA_LOSS, refused.value.details()
+            assert "not an upload the vault handed out" in str(refused.value.details())
+        with b.client() as client:
+            out = tmp_path / "out"
+            client.get_direct(str(put.blob.sha256), out)
+            assert out.read_bytes() == kept.read_bytes()
+
+
+def test_an_upload_that_outlasts_its_requests_asks_for_new_ones_and_resumes(
+    tmp_path: Path,
+    postgres_server: PostgresServer,
+    minio_server: MinioServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A large file on a slow link takes longer than the vault's presigned requests stay valid:
+    the stores refuse the parts started after that, and the client asks the vault for new
+    requests, resuming the uploads (the parts the stores hold are not sent again), and the put
+    completes on every mirror."""
+    data = os.urandom(3 * PART + 11)
+    source = tmp_path / "slow.bin"
+    source.write_bytes(data)
+    sent: list[tuple[str, int]] = []
+    expired: list[str] = []
+    real_upload = direct_module._upload
+
+    def slow_link(url: str, headers: dict[str, str], path: Path, offset: int, length: int) -> None:
+        if offset:
+            time.sleep(4)
+        try:
+            real_upload(url, headers, path, offset, length)
+        except Exception as refused:
+            expired.append(str(refused))
+            raise
+        sent.append((urllib.parse.urlsplit(url).path, offset))
+
+    monkeypatch.setattr(direct_module, "_upload", slow_link)
+    with pair_on_new_database(
+        tmp_path, postgres_server, minio_server, presign_seconds="6"
+    ) as started:
+        a, b, _ = started
+        with a.client() as client:
+            result = client.put_direct(source, part_size=PART)
+        assert result.created and str(result.blob.sha256) == str(sha256_of(data))
+        assert sorted(result.mirrors) == sorted(NAMES)
+        # Some parts were refused for their time, and sent again with new requests; none that
+        # a store held was sent twice.
+        assert expired and all("expired" in refusal.lower() for refusal in expired), expired
+        assert len(sent) == len(set(sent)) == 4 * len(NAMES)
+        with b.client() as client:
+            out = tmp_path / "out"
+            client.get_direct(str(result.blob.sha256), out)
+            assert out.read_bytes() == data

@@ -80,12 +80,13 @@ def started_pair(
 
 @contextlib.contextmanager
 def pair_on_new_database(
-    base: Path, postgres: PostgresServer, minio: MinioServer
+    base: Path, postgres: PostgresServer, minio: MinioServer, **mirrors: str
 ) -> Iterator[Pair]:
-    """A started pair on a database of its own, dropped after."""
+    """A started pair on a database of its own (with the `mirrors` settings given), dropped
+    after."""
     database = postgres.create_database()
     try:
-        with started_pair(base, database, minio) as started:
+        with started_pair(base, database, minio, **mirrors) as started:
             yield started
     finally:
         name = make_url(database).database
@@ -220,9 +221,13 @@ def test_a_direct_put_reaches_the_store_without_the_server_and_any_server_serves
     # The same through the command.
     other = tmp_path / "other.bin"
     other.write_bytes(os.urandom(2 * 1024 * 1024))
-    put = a.run("put", "--direct", "--json", str(other))
+    put = a.run("put", "--direct", "--copies", "1", "--json", str(other))
     put.ok()
     assert put.json()["sha256"] == str(sha256_of(other.read_bytes()))
+    # One mirror took the upload; the queue makes the other copies.
+    assert len(put.json()["mirrors"]) == 1 and put.json()["mirrors"][0] in NAMES
+    refused = a.run("put", "--copies", "1", str(other))
+    assert refused.returncode == 64 and "--direct" in refused.stderr, refused.describe()
     b.run("get", "--direct", put.json()["sha256"], "-o", str(tmp_path / "other.out")).ok()
     assert (tmp_path / "other.out").read_bytes() == other.read_bytes()
     refused = b.run("get", "--direct", put.json()["sha256"])

@@ -231,6 +231,18 @@ class MirrorsConfig:
     # Replication retries back off from retry_min to retry_max seconds.
     retry_min: float = 1.0
     retry_max: float = 60.0
+    # Seconds after which an upload handed to a client and never adopted (given up, cut short
+    # or refused) is deleted from its mirror: longer than any upload still sent or resumed.
+    abandoned_uploads: float = 2 * 24 * 3600.0
+    # Seconds a presigned request for a direct transfer stays valid; a client whose upload
+    # outlasts it asks for new ones, resuming.
+    presign_seconds: float = 3600.0
+    # Mirrors whose copies are encrypted (docs/encryption.md): names separated by spaces or
+    # commas, or "*" for every mirror; empty: none. Needs encryption_keys.
+    encrypted: str = ""
+    # The key ring file for the encrypted mirrors: `ID BASE64KEY` lines, the first sealing new
+    # copies, every one opening reads, and a `names` line keying the objects' names.
+    encryption_keys: str = ""
 
 
 @dataclass(frozen=True)
@@ -281,6 +293,20 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True)
+class RetentionConfig:
+    """The [retention] section: which checkpoints' bytes the gc releases (docs/retention.md).
+    Off by default: with keep_last = 0 nothing is ever released."""
+
+    # Per run, its last this many checkpoints are kept; the others' files may be released.
+    # 0: no retention policy.
+    keep_last: int = 0
+    # An intermediate checkpoint is released only once this many days old; 0: at once.
+    release_after_days: float = 0.0
+    # Seconds between `vault serve`'s gc passes (the first at start); 0: none in the server.
+    interval: float = 3600.0
+
+
+@dataclass(frozen=True)
 class RegistryConfig:
     """The [registry] section: the OCI Distribution API (docs/registry.md), on a port of its
     own. Pull needs a token that may read, push one that may write."""
@@ -311,6 +337,7 @@ class Config:
     client: ClientConfig = field(default_factory=ClientConfig)
     mirrors: MirrorsConfig = field(default_factory=MirrorsConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
     witnesses: WitnessesConfig = field(default_factory=WitnessesConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
 
@@ -397,6 +424,9 @@ _RANGES: Final[Mapping[str, tuple[float, float]]] = {
     "mirrors.attempts": (1, 100),
     "mirrors.retry_min": (0.01, 86_400.0),
     "mirrors.retry_max": (0.01, 86_400.0),
+    "mirrors.abandoned_uploads": (1.0, _YEAR),
+    # S3 takes presigned requests valid for at most seven days.
+    "mirrors.presign_seconds": (1.0, 7 * 86_400.0),
     "policy.migrate_interval": (0.1, _YEAR),
     "policy.warm_after_unread_days": (0.0, 36_500.0),
     "policy.cold_after_days": (0.0, 36_500.0),
@@ -406,6 +436,9 @@ _RANGES: Final[Mapping[str, tuple[float, float]]] = {
     "policy.min_copies": (1, 64),
     "policy.scrub_window_days": (0.001, 36_500.0),
     "policy.scrub_rate_mb_s": (0.0, 1_000_000.0),
+    "retention.keep_last": (1, 1_000_000),
+    "retention.release_after_days": (0.0, 36_500.0),
+    "retention.interval": (1.0, _YEAR),
     "witnesses.quorum": (0, 64),
     "witnesses.timeout": (0.1, 600.0),
     "witnesses.refresh": (0.5, 86_400.0),
@@ -416,7 +449,13 @@ _RANGES: Final[Mapping[str, tuple[float, float]]] = {
 }
 # Settings whose 0 means none or off, allowed beside their range.
 _ZERO_IS_OFF: Final = frozenset(
-    {"client.timeout", "policy.migrate_interval", "policy.scrub_window_days"}
+    {
+        "client.timeout",
+        "policy.migrate_interval",
+        "policy.scrub_window_days",
+        "retention.keep_last",
+        "retention.interval",
+    }
 )
 
 

@@ -3,8 +3,9 @@ zstd-compressed where that saves space, so that any range can be fetched, decomp
 checked without the rest of the blob. Speaks only the common S3 API, so any S3 server will do.
 
 _s3 talks to the endpoint, _layout says how a blob is laid out in objects, _upload puts one,
-_tier is the BlobStore over them."""
+_crypt seals what an encrypted tier stores, _tier is the BlobStore over them."""
 
+from tiers.cold._crypt import NAMES_ID, KeyRing, new_key
 from tiers.cold._layout import (
     DATA_FORMAT,
     FORMAT,
@@ -48,6 +49,7 @@ __all__ = [
     "MAX_PARTS",
     "MAX_PART_SIZE",
     "MIN_PART_SIZE",
+    "NAMES_ID",
     "PART_GROWTH",
     "PART_MAX_DOUBLINGS",
     "PART_SIZE",
@@ -60,7 +62,9 @@ __all__ = [
     "DirectRead",
     "DirectUpload",
     "Extent",
+    "KeyRing",
     "decode_index",
     "encode_index",
     "index_length",
+    "new_key",
 ]

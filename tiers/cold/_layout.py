@@ -12,6 +12,7 @@ from typing import Final
 import zstandard
 
 from tiers import frames
+from tiers.cold._crypt import OVERHEAD, ChunkSeal
 from vault.digest import Digest
 from vault.errors import IntegrityError
 from vault.store.chunks import HASH_SIZE, Chunk, ChunkList
@@ -55,6 +56,10 @@ class ColdLayout:
     metadata. The stored chunks are the bytes from `data_offset` in object `data_key`: right
     after the index in the same object for a blob small enough to be uploaded whole, else an
     object of their own under data/.
+
+    On an encrypted mirror (`seal` set) the index object is named by a keyed hash of the
+    digest, carries no digest in its metadata and holds the index sealed (_crypt); each stored
+    chunk is sealed by `seal`, which its extent's length includes.
     """
 
     key: str
@@ -63,10 +68,27 @@ class ColdLayout:
     stored_size: int
     chunks: ChunkList
     extents: tuple[Extent, ...]
+    seal: ChunkSeal | None = None
 
     @property
     def inline(self) -> bool:
         return self.data_key == self.key
+
+    @property
+    def raw(self) -> bool:
+        """Whether the data object is the blob's bytes as they are, nothing before or between
+        them (a client's direct upload): its SHA-256 is then the blob's."""
+        chunks = self.chunks
+        return (
+            self.seal is None
+            and not self.inline
+            and self.data_offset == 0
+            and self.stored_size == chunks.size
+            and all(
+                not extent.compressed and (extent.start, extent.length) == chunks.span(n)
+                for n, extent in enumerate(self.extents)
+            )
+        )
 
 
 # -- the index ---------------------------------------------------------------------------------
@@ -117,8 +139,10 @@ def index_length(head: bytes) -> int:
     return HEADER.size + key_length + chunks_length + count * _ENTRY.size + HASH_SIZE
 
 
-def decode_index(data: bytes, sha256: Digest, key: str) -> ColdLayout:
-    """Parse and self-check an index (any inline data after it is ignored)."""
+def decode_index(data: bytes, sha256: Digest, key: str, *, sealed: bool = False) -> ColdLayout:
+    """Parse and self-check an index (any inline data after it is ignored); `sealed`: the
+    index of an encrypted copy, whose every stored chunk is OVERHEAD bytes longer."""
+    overhead = OVERHEAD if sealed else 0
     where = f"index of {sha256} ({key})"
     if len(data) < HEADER.size:
         raise IntegrityError(f"{where} is damaged: only {len(data)} bytes")
@@ -153,7 +177,8 @@ def decode_index(data: bytes, sha256: Digest, key: str) -> ColdLayout:
         stored = entry & ~COMPRESSED
         compressed = bool(entry & COMPRESSED)
         expected = chunks.span(index)[1]
-        if stored > expected or (not compressed and stored != expected):
+        payload = stored - overhead
+        if payload < 0 or payload > expected or (not compressed and payload != expected):
             raise IntegrityError(
                 f"{where} is damaged: chunk at byte offset {chunks.span(index)[0]} is stored "
                 f"in {stored} bytes ({'compressed' if compressed else 'raw'}) "
@@ -224,7 +249,7 @@ def unpack_window(
         for index in window:
             extent = layout.extents[index]
             stored = reader.take(extent.length)
-            data = _unpack(layout.chunks, index, extent, stored, decompressor)
+            data = _unpack(layout.chunks, index, extent, stored, decompressor, layout.seal)
             yield Chunk(layout.chunks.span(index)[0], data, layout.chunks.check(index, data))
     finally:
         reader.close()
@@ -236,6 +261,7 @@ def _unpack(
     extent: Extent,
     stored: bytes,
     decompressor: zstandard.ZstdDecompressor,
+    seal: ChunkSeal | None = None,
 ) -> bytes:
     """A chunk's bytes from its stored form; IntegrityError naming the chunk if they cannot be
     had (the caller checks them against the chunk list)."""
@@ -243,6 +269,12 @@ def _unpack(
         raise IntegrityError(
             f"stored copy of {chunks.sha256} is damaged: chunk at byte offset "
             f"{chunks.span(index)[0]} has {len(stored)} stored bytes, expected {extent.length}"
+        )
+    if seal is not None:
+        stored = seal.open(
+            index,
+            stored,
+            f"stored copy of {chunks.sha256}: chunk at byte offset {chunks.span(index)[0]}",
         )
     if not extent.compressed:
         return stored

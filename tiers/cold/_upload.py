@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from tiers import frames
-from tiers.cold._layout import COMPRESSED, DATA_FORMAT
+from tiers.cold._crypt import ChunkSeal, new_object_id
+from tiers.cold._layout import COMPRESSED, DATA_FORMAT, ColdLayout
 from tiers.cold._s3 import MISSING, Refused, S3Bucket, b64
 from vault.digest import Digest
 from vault.errors import InvalidArgument, Unavailable
@@ -41,7 +42,9 @@ class ColdWriter(BlobWriter):
     Bytes are hashed as they come (BlobHasher) and cut into chunks; each chunk is compressed
     if that saves space, and the stored chunks gather into parts. A blob that ends before its
     first part is full goes up in one PUT, together with its index; a larger one is uploaded in
-    parts, UPLOAD_THREADS at a time, while the caller goes on writing.
+    parts, UPLOAD_THREADS at a time, while the caller goes on writing. On an encrypted tier
+    each stored chunk is sealed (after compression) under the key ring's current key, bound to
+    a fresh object id and the chunk's number.
     """
 
     def __init__(self, tier: ColdTier) -> None:
@@ -53,6 +56,10 @@ class ColdWriter(BlobWriter):
         self.pending = bytearray()
         self.stored_size = 0
         self.upload: Upload | None = None
+        keys = tier.keys
+        self.seal = ChunkSeal(keys.current, new_object_id()) if keys is not None else None
+        # The copy this put replaces (a rekey), written over rather than kept.
+        self.replaces: ColdLayout | None = None
         self._open = True
 
     def write(self, data: bytes | memoryview) -> None:
@@ -109,13 +116,15 @@ class ColdWriter(BlobWriter):
     def _seal(self, raw: bytes | bytearray | memoryview) -> None:
         """Store one whole chunk (or the last, shorter one)."""
         compressed = self._compressor.compress(raw)
+        payload: bytes | bytearray | memoryview = raw
+        flag = 0
         if frames.worth_keeping(len(raw), len(compressed)):
-            self.entries.append(len(compressed) | COMPRESSED)
-            self.pending += compressed
-        else:
-            self.entries.append(len(raw))
-            self.pending += raw
-        self.stored_size += self.entries[-1] & ~COMPRESSED
+            payload, flag = compressed, COMPRESSED
+        if self.seal is not None:
+            payload = self.seal.seal(len(self.entries), payload)
+        self.entries.append(len(payload) | flag)
+        self.pending += payload
+        self.stored_size += len(payload)
         upload = self.upload
         target = part_target(self._tier.part_size, 1 if upload is None else upload.parts + 1)
         if len(self.pending) >= target:

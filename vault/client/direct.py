@@ -14,24 +14,25 @@ import http.client
 import json
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
-from urllib.parse import urlsplit
 
 import blake3
 
+from vault import presigned
 from vault.client.channel import rpc_errors
 from vault.client.partial import create_partial, settle
 from vault.client.results import BlobInfo, PutResult
 from vault.digest import Digest
 from vault.errors import IntegrityError, InvalidArgument, NotFound, Unavailable
 from vault.files import write_all
+from vault.presigned import BLOCK, REFUSAL_BYTES
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
-BLOCK: Final = 1 << 20
 # S3's largest single PUT, the most parts a vault presigns for one upload, and the part size
 # a client starts from.
 SINGLE_PUT_MAX: Final = 5 << 30
@@ -44,10 +45,6 @@ STALE_UPLOAD_SECONDS: Final = 2 * 24 * 3600
 # A stored chunk decompresses to at most the chunk size, which a vault may choose up to this;
 # a stored extent is at most that plus zstd's worst-case overhead.
 MAX_CHUNK: Final = 64 << 20
-# What of an object store's refusal is shown.
-_REFUSAL_BYTES: Final = 2048
-# How long the store may leave a connection silent.
-STORE_TIMEOUT: Final = 60.0
 
 
 def put_direct(
@@ -98,7 +95,28 @@ def put_direct(
     targets = _targets(plan, sha256, len(parts) if in_parts else None)
     if in_parts:
         _remember(state, targets, chosen)
-    uploaded = _upload_all(targets, path, size, chosen, parts)
+    # Each part's request is checked when it starts; parts started after the vault's requests
+    # ran out are sent again with new ones, the parts the stores hold skipped: at least one
+    # part goes up in each window, so a slow link needs at most one window a part.
+    for windows_left in range(len(parts), -1, -1):
+        try:
+            uploaded = _upload_all(targets, path, size, chosen, parts)
+            break
+        except presigned.Expired:
+            if not windows_left:
+                raise
+            del request.resume[:]
+            request.resume.extend(
+                pb.DirectUploadRef(mirror=t.mirror, key=t.key, upload_id=t.upload_id)
+                for t in targets
+                if t.upload_id
+            )
+            with rpc_errors():
+                plan = store.DirectPut(request, timeout=timeout)
+            if plan.HasField("stored"):
+                return _checked(PutResult(BlobInfo.from_wire(plan.stored), False), sha256, b3, size)
+            targets = _targets(plan, sha256, len(parts) if in_parts else None)
+            _remember(state, targets, chosen)
     first, *others = uploaded
     with rpc_errors():
         response = store.FinishDirectPut(
@@ -117,8 +135,17 @@ def put_direct(
         )
     if state is not None:
         state.unlink(missing_ok=True)
+    sent = {t.mirror for t in uploaded}
+    if not set(response.mirrors) <= sent or len(set(response.mirrors)) != len(response.mirrors):
+        raise IntegrityError(
+            f"the vault says {list(response.mirrors)} hold copies of {sha256}; the client "
+            f"uploaded to {sorted(sent)}"
+        )
     return _checked(
-        PutResult(BlobInfo.from_wire(response.blob), response.created), sha256, b3, size
+        PutResult(BlobInfo.from_wire(response.blob), response.created, tuple(response.mirrors)),
+        sha256,
+        b3,
+        size,
     )
 
 
@@ -340,44 +367,21 @@ def _checked(result: PutResult, sha256: Digest, b3: bytes, size: int) -> PutResu
     return result
 
 
-def _connection(url: str) -> tuple[http.client.HTTPConnection, str]:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise IntegrityError(f"the vault handed out {parts.scheme or 'a'} URL, not http(s)")
-    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    target = parts.path + (f"?{parts.query}" if parts.query else "")
-    return kind(parts.netloc, timeout=STORE_TIMEOUT, blocksize=BLOCK), target
-
-
 def _upload(url: str, headers: dict[str, str], path: Path, offset: int, length: int) -> None:
     """PUT `length` bytes of the file from `offset` to a presigned URL."""
-    connection, target = _connection(url)
-    try:
-        connection.putrequest("PUT", target, skip_accept_encoding=True)
-        for name, value in headers.items():
-            connection.putheader(name, value)
-        connection.putheader("Content-Length", str(length))
-        connection.endheaders()
+
+    def pieces() -> Iterator[bytes]:
         with open(path, "rb") as file:
             file.seek(offset)
             left = length
             while left and (block := file.read(min(BLOCK, left))):
-                connection.send(block)
+                yield block
                 left -= len(block)
-        if left:
-            raise InvalidArgument(f"{path} changed while it was uploaded")
-        response = connection.getresponse()
-        answer = response.read(_REFUSAL_BYTES)
-        if response.status != 200:
-            refusal = answer.decode(errors="replace")
-            kind = (
-                IntegrityError if "Checksum" in refusal or "BadDigest" in refusal else Unavailable
-            )
-            raise kind(f"the object store refused the upload: HTTP {response.status} {refusal}")
-    except OSError as exc:
-        raise Unavailable(f"uploading to the object store failed: {exc}") from None
-    finally:
-        connection.close()
+
+    try:
+        presigned.put(url, headers, pieces(), length)
+    except InvalidArgument:
+        raise InvalidArgument(f"{path} changed while it was uploaded") from None
 
 
 def _check_plan(plan: pb.DirectGetPlan, info: BlobInfo) -> None:
@@ -400,14 +404,14 @@ def _download(plan: pb.DirectGetPlan, fd: int) -> tuple[bytes, bytes, int]:
     sha, b3, written = hashlib.sha256(), blake3.blake3(), 0
     if not stored:
         return sha.digest(), b3.digest(), 0
-    connection, target = _connection(plan.url)
+    connection, target = presigned.connection(plan.url)
     try:
         connection.request(
             "GET", target, headers={"Range": f"bytes={plan.offset}-{plan.offset + stored - 1}"}
         )
         response = connection.getresponse()
         if response.status != 206:
-            refusal = response.read(_REFUSAL_BYTES).decode(errors="replace")
+            refusal = response.read(REFUSAL_BYTES).decode(errors="replace")
             raise Unavailable(
                 f"the object store refused the read: HTTP {response.status} {refusal}"
             )

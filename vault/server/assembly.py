@@ -164,6 +164,8 @@ def open_mirror_set(config: Config, *, probe: bool = False) -> MirrorSet:
         connect_timeout=min(settings.connect_timeout, limit),
         read_timeout=min(settings.read_timeout, limit),
         attempts=1 if probe else settings.attempts,
+        encrypted=settings.encrypted,
+        encryption_keys=settings.encryption_keys,
     )
 
 
@@ -222,6 +224,7 @@ def open_replicating_store(
         # The data folder's name: the same after a restart, which takes its claims back.
         owner=host_name(config),
         lease=config.mirrors.claim_lease,
+        abandoned_after=config.mirrors.abandoned_uploads,
     )
     # What this server had claimed before it stopped is its to do again, now.
     queue.release(replicator.owner)
@@ -232,7 +235,14 @@ def open_replicating_store(
     acknowledged = config.mirrors.acknowledged_copies
     if acknowledged < 0:
         acknowledged = 1 if config.shared else 0
-    return ReplicatingStore(manager, mirrors, queue, replicator, acknowledged=acknowledged)
+    return ReplicatingStore(
+        manager,
+        mirrors,
+        queue,
+        replicator,
+        acknowledged=acknowledged,
+        presign_seconds=config.mirrors.presign_seconds,
+    )
 
 
 def open_tiered_store(config: Config, hot: HotTier) -> BlobStore:

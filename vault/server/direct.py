@@ -22,8 +22,6 @@ if TYPE_CHECKING:
     from mirror.store import ReplicatingStore
     from tiers.cold import DirectRead, DirectUpload
 
-# How long a presigned request stays valid: long enough for a large blob on a slow link.
-EXPIRES_SECONDS: Final = 3600
 # The most mirrors one request names (uploads to resume, copies finished): a vault has a few.
 MAX_DIRECT_COPIES: Final = 16
 
@@ -58,6 +56,11 @@ class DirectTransfers:
             )
         return store
 
+    @property
+    def expires(self) -> int:
+        """How long the requests of a plan stay valid (`mirrors.presign_seconds`)."""
+        return self._mirrored().presign_seconds
+
     def plan_put(self, request: Planned) -> StoredBlob | list[tuple[str, DirectUpload]]:
         """The blob as stored already, or the mirrors and presigned uploads to upload it
         with, the first of them the copy the vault reads back."""
@@ -69,7 +72,7 @@ class DirectTransfers:
         return store.plan_upload(
             request.sha256,
             request.size,
-            EXPIRES_SECONDS,
+            store.presign_seconds,
             parts=request.parts,
             resume=request.resume,
             copies=request.copies,
@@ -77,18 +80,19 @@ class DirectTransfers:
 
     def finish_put(
         self, sha256: Digest, uploads: Sequence[tuple[str, str, str]], size: int = 0
-    ) -> tuple[StoredBlob, bool]:
+    ) -> tuple[StoredBlob, bool, tuple[str, ...]]:
         """Adopt the uploads (mirror, key, upload id) of one blob, verified on the way, and
-        catalogue it."""
+        catalogue it; the blob, whether it is new, and the mirrors holding a copy now."""
         _require_sha256(sha256)
-        info, created = self._mirrored().adopt_uploads(sha256, uploads, size)
+        adopted = self._mirrored().adopt_uploads(sha256, uploads, size)
         stored_at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        return self.content.adopt(info, stored_at), created
+        return self.content.adopt(adopted.info, stored_at), adopted.created, adopted.mirrors
 
     def plan_get(self, digest: Digest) -> tuple[StoredBlob, DirectRead]:
         """The blob and a presigned read of one of its mirror copies."""
         blob = self.content.get(digest)
-        return blob, self._mirrored().plan_read(blob.info.sha256, EXPIRES_SECONDS)
+        store = self._mirrored()
+        return blob, store.plan_read(blob.info.sha256, store.presign_seconds)
 
 
 def _require_sha256(digest: Digest) -> None:

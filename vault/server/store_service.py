@@ -18,7 +18,7 @@ from vault.ledger.log import Ledger
 from vault.server.blob_audit import BlobAudit
 from vault.server.content import Content, StoredBlob
 from vault.server.damage import KnownDamage
-from vault.server.direct import EXPIRES_SECONDS, MAX_DIRECT_COPIES, DirectTransfers, Planned
+from vault.server.direct import MAX_DIRECT_COPIES, DirectTransfers, Planned
 from vault.server.edge import (
     Service,
     abort,
@@ -310,7 +310,7 @@ class StoreService(Service, rpc.StoreServicer):
             key=upload.key,
             url=upload.url,
             headers=upload.headers,
-            expires_seconds=EXPIRES_SECONDS,
+            expires_seconds=self.direct.expires,
             upload_id=upload.upload_id,
             part_urls=upload.part_urls,
             parts_present=upload.present,
@@ -336,8 +336,10 @@ class StoreService(Service, rpc.StoreServicer):
             )
         uploads = [(request.mirror, request.key, request.upload_id)]
         uploads += [(c.mirror, c.key, c.upload_id) for c in request.copies]
-        blob, created = self.direct.finish_put(Digest.parse(request.sha256), uploads, request.size)
-        return pb.PutResponse(blob=_blob(blob), created=created)
+        blob, created, mirrors = self.direct.finish_put(
+            Digest.parse(request.sha256), uploads, request.size
+        )
+        return pb.PutResponse(blob=_blob(blob), created=created, mirrors=mirrors)
 
     @unary
     def DirectGet(self, request: pb.DirectGetRequest) -> pb.DirectGetPlan:
@@ -352,7 +354,7 @@ class StoreService(Service, rpc.StoreServicer):
                 for extent in layout.extents
             ],
             chunk_size=layout.chunks.chunk_size,
-            expires_seconds=EXPIRES_SECONDS,
+            expires_seconds=self.direct.expires,
         )
 
     @unary
@@ -451,19 +453,33 @@ class StoreService(Service, rpc.StoreServicer):
     async def PutBatch(
         self, requests: AsyncIterator[pb.PutBatchRequest], context: Any
     ) -> pb.PutBatchResponse:
-        results = await client_stream(self, "PutBatch", context, self._put_batch)
-        return pb.PutBatchResponse(
-            results=[
-                pb.PutBatchResult(error=f"blob {n} of the batch was refused: {result}")
-                if isinstance(result, IntegrityError)
-                else pb.PutBatchResult(blob=_blob(result[0]), created=result[1])
-                for n, result in enumerate(results)
-            ]
-        )
+        return await client_stream(self, "PutBatch", context, self._put_batch)
 
-    def _put_batch(
+    def _put_batch(self, receive: Callable[[], pb.PutBatchRequest | None]) -> pb.PutBatchResponse:
+        """The batch stored, and its answer built, on the storing thread: a thousand results
+        built on the event loop would hold up every other call's messages meanwhile."""
+        answer = pb.PutBatchResponse()
+        results = answer.results
+        for n, result in enumerate(self.content.put_many(self._batch_blobs(receive))):
+            if isinstance(result, IntegrityError):
+                results.add(error=f"blob {n} of the batch was refused: {result}")
+            else:
+                stored, created = result
+                info = stored.info
+                # Set in place: a BlobInfo built apart would be copied into its result.
+                blob = results.add(created=created).blob
+                blob.sha256 = str(info.sha256)
+                blob.blake3 = str(info.blake3)
+                blob.size = info.size
+                blob.stored_at = stored.stored_at
+        return answer
+
+    def _batch_blobs(
         self, receive: Callable[[], pb.PutBatchRequest | None]
-    ) -> list[tuple[StoredBlob, bool] | IntegrityError]:
+    ) -> Iterator[tuple[bytes, Digest | None]]:
+        """The blobs of a batch as its messages bring them, each checked against the batch's
+        limits; the end of the batch only once its commit matched what came."""
+
         def blobs() -> Iterator[tuple[bytes, Digest | None]]:
             count = total = 0
             while (message := receive()) is not None:
@@ -506,4 +522,4 @@ class StoreService(Service, rpc.StoreServicer):
                 raise InvalidArgument("a batch's commit must be its last message")
             return True
 
-        return self.content.put_many(blobs())
+        return blobs()
