@@ -1,11 +1,12 @@
-"""A background thread of `vault serve` that runs passes of a tier job (migration, scrub) until
-it is closed; a failed pass is logged and the next one tries again."""
+"""A background thread of `vault serve` that runs passes of a job (migration, scrub, the gc)
+until it is closed; a failed pass is logged and the next one tries again."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from abc import ABC, abstractmethod
+from typing import Self
 
 from vault.errors import VaultError
 
@@ -22,11 +23,13 @@ class Worker(ABC):
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
 
     @abstractmethod
-    def run_pass(self, stop: threading.Event) -> None:
-        """One pass; it returns early once `stop` is set."""
+    def run_pass(self, stop: threading.Event) -> float | None:
+        """One pass; it returns early once `stop` is set. Returns how long to wait before the
+        next (None: `pause`)."""
 
-    def start(self) -> None:
+    def start(self) -> Self:
         self._thread.start()
+        return self
 
     def close(self) -> None:
         self._stop.set()
@@ -35,8 +38,13 @@ class Worker(ABC):
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            pause = self.pause
             try:
-                self.run_pass(self._stop)
+                wait = self.run_pass(self._stop)
+                if wait is not None:
+                    pause = wait
             except (VaultError, OSError) as error:
                 log.warning("%s pass failed: %s", self.name, error)
-            self._stop.wait(self.pause)
+            except Exception:  # a pass must not end the worker for good
+                log.exception("%s pass failed", self.name)
+            self._stop.wait(pause)

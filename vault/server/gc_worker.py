@@ -7,8 +7,9 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Final
 
+from tiers.worker import Worker
 from vault.config import Config
-from vault.errors import Unavailable, VaultError
+from vault.errors import Unavailable
 from vault.server.released import ReleasingContent
 from vault.server.retention import Policy, Retention
 from vault.store.protocol import BlobStore
@@ -24,40 +25,26 @@ log = logging.getLogger("pinvault.retention")
 _RETRY: Final = 2.0
 
 
-class GcWorker:
+class GcWorker(Worker):
     """A thread of `vault serve` that runs a gc pass at start and every `interval` seconds."""
+
+    name = "gc"
 
     def __init__(self, retention: Retention, interval: float) -> None:
         self.retention = retention
-        self.interval = interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="gc", daemon=True)
+        self.pause = interval
+        super().__init__()
         # Passes finished since start, for whoever waits for one (tests, the benchmark).
         self.passes = 0
 
-    def start(self) -> GcWorker:
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            pause = self.interval
-            try:
-                self.retention.run(self._stop)
-                self.passes += 1
-            except Unavailable as error:
-                log.info("gc pass put off: %s", error)
-                pause = min(_RETRY, self.interval)
-            except (VaultError, OSError) as error:
-                log.warning("gc pass failed: %s", error)
-            except Exception:  # a pass must not end the server's gc for good
-                log.exception("gc pass failed")
-            self._stop.wait(pause)
+    def run_pass(self, stop: threading.Event) -> float | None:
+        try:
+            self.retention.run(stop)
+        except Unavailable as error:
+            log.info("gc pass put off: %s", error)
+            return min(_RETRY, self.pause)
+        self.passes += 1
+        return None
 
 
 def start_gc(
