@@ -350,7 +350,11 @@ def test_plaintext_credentials_off_loopback_are_an_opt_out_logged_loudly(
         VaultClient(server.address, timeout=10).checkpoint()
 
 
-def test_bearer_tokens_over_tls_off_loopback(start_vault: StartVault, tmp_path: Path) -> None:
+def start_tls_vault(
+    start_vault: StartVault, tmp_path: Path, **env: str
+) -> tuple[VaultServer, bytes]:
+    """A vault asking for credentials over TLS on every interface (with `env` besides), and
+    the CA its certificate is issued by."""
     folder = keys(tmp_path)
     ca = (folder / "ca.pem").read_bytes()
     server = start_vault(
@@ -359,9 +363,15 @@ def test_bearer_tokens_over_tls_off_loopback(start_vault: StartVault, tmp_path: 
             **CREDENTIALS,
             "PINVAULT_AUTH_TLS_CERT": str(folder / "server.pem"),
             "PINVAULT_AUTH_TLS_KEY": str(folder / "server.key"),
+            **env,
         },
         channel_credentials=grpc.ssl_channel_credentials(root_certificates=ca),
     )
+    return server, ca
+
+
+def test_bearer_tokens_over_tls_off_loopback(start_vault: StartVault, tmp_path: Path) -> None:
+    server, ca = start_tls_vault(start_vault, tmp_path)
     assert "access: credentials, TLS" in "\n".join(server.banner)
     admin = VaultClient(
         server.address, credentials=Credentials(token=first_admin_token(server), ca=ca), timeout=20

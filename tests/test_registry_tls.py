@@ -9,11 +9,10 @@ import re
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
 from tests.conftest import StartVault
-from tests.test_access import CREDENTIALS, first_admin_token, keys
+from tests.test_access import first_admin_token, start_tls_vault
 from tests.test_registry_clients import Skopeo, read_layout, write_layout
 
 _URL = re.compile(r"registry \(OCI distribution\) at (https://\S+)")
@@ -28,18 +27,7 @@ def _registry_port(log: str) -> int:
 def test_skopeo_pushes_and_pulls_over_tls_off_loopback(
     start_vault: StartVault, tmp_path: Path
 ) -> None:
-    folder = keys(tmp_path)
-    ca = (folder / "ca.pem").read_bytes()
-    server = start_vault(
-        listen="0.0.0.0:0",
-        env={
-            **CREDENTIALS,
-            "PINVAULT_AUTH_TLS_CERT": str(folder / "server.pem"),
-            "PINVAULT_AUTH_TLS_KEY": str(folder / "server.key"),
-            "PINVAULT_REGISTRY_LISTEN": "0.0.0.0:0",
-        },
-        channel_credentials=grpc.ssl_channel_credentials(root_certificates=ca),
-    )
+    server, ca = start_tls_vault(start_vault, tmp_path, PINVAULT_REGISTRY_LISTEN="0.0.0.0:0")
     deadline = time.monotonic() + 10
     while not _URL.search(server.log()) and time.monotonic() < deadline:
         time.sleep(0.05)
