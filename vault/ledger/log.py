@@ -204,6 +204,16 @@ class Ledger:
                 checkpoint_matches=self._checkpoint_matches,
                 republish=self._republish,
             )
+        if (
+            self.tiles is not None
+            and self.fault is None
+            and self._tree.size == 0
+            and not self.tiles.published_note
+        ):
+            # A new ledger's checkpoint of size 0 is published before the server answers: a
+            # probe or a verifier finds one from the start, and the folder does not change
+            # under a caller who looks at it once the server is up.
+            self._guarded(self._publish_empty)
         self._link: SequencerLink | None = None
         self._writer: threading.Thread | None = None
         if writer:
@@ -687,6 +697,10 @@ class Ledger:
             log.error("latest stored checkpoint is not valid (%s); signing a new one", exc)
             return None
         return SignedCheckpoint(checkpoint, row.note)
+
+    def _publish_empty(self) -> None:
+        self.checkpoint(0)
+        self.write_tiles()
 
     def _checkpoint_loop(self, interval: float) -> None:
         # First the tiles a previous run left unwritten, off the path of start-up.
