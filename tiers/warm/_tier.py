@@ -204,20 +204,10 @@ class WarmTier(Closing):
 
     def _rewrite_live(self, number: int) -> int:
         """Copy the live records of sealed pack `number` to the open pack and remove it (the
-        caller holds the write lock); the bytes freed."""
+        caller holds the write lock); the bytes freed. One record is held at a time."""
         path = self._pack_path(number)
-        records: list[tuple[bytes, bytes]] = []
-        with self._files.open(number) as fd:
-            for raw, position, length, encoded in _index.live_in_pack(self._db, number):
-                record = os.pread(fd, length, position)
-                chunks = ChunkList.decode(encoded, Digest.sha256(raw))
-                self._check_trailer(
-                    record[len(record) - trailer_size(chunks.count) :],
-                    Row(number, position, length, "", chunks),
-                )
-                records.append((raw, record))
-        size = os.stat(path).st_size
-        total = sum(len(record) for _, record in records)
+        live = _index.live_in_pack(self._db, number)
+        total = sum(length for _, _, length, _ in live)
         pack = self._open_pack
         if pack is None or pack.size + total > self.pack_limit:
             if pack is not None:
@@ -225,17 +215,25 @@ class WarmTier(Closing):
             pack = self._new_pack()
         start = end = pack.size
         moved = []
-        for raw, record in records:
-            moved.append((raw, pack.number, end))
-            end += len(record)
         try:
-            pwrite_all(pack.fd, b"".join(record for _, record in records), start)
+            with self._files.open(number) as fd:
+                for raw, position, length, encoded in live:
+                    record = os.pread(fd, length, position)
+                    chunks = ChunkList.decode(encoded, Digest.sha256(raw))
+                    self._check_trailer(
+                        record[len(record) - trailer_size(chunks.count) :],
+                        Row(number, position, length, "", chunks),
+                    )
+                    pwrite_all(pack.fd, record, end)
+                    moved.append((raw, pack.number, end))
+                    end += length
             os.fdatasync(pack.fd)
             _index.move_records(self._db, moved, grown=(pack.number, end), emptied=number)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.ftruncate(pack.fd, start)
             raise
+        size = os.stat(path).st_size
         pack.size = end
         self._files.forget(number)
         with contextlib.suppress(FileNotFoundError):
