@@ -25,7 +25,7 @@ from tests.services.vault_server import command_env as vault_command_env
 from tests.terminal import run_on_terminal
 from tests.test_cold_tier import flip, flip_stored_bit
 from tests.test_replication_queue import tables, write_previous_release
-from tiers.cold import ColdTier
+from tiers.cold import ColdTier, KeyRing
 from tiers.hot import HotTier
 from tiers.manager import TierManager
 from tiers.scrub import Scrubber, ScrubWorker
@@ -129,8 +129,9 @@ def open_store(tmp_path: Path) -> Iterator[Callable[[Config], ReplicatingStore]]
         store.close()
 
 
-def independent_tier(endpoint: S3Endpoint) -> ColdTier:
-    """A cold tier of the test's own on a mirror's bucket, to read back what the vault wrote."""
+def independent_tier(endpoint: S3Endpoint, keys: KeyRing | None = None) -> ColdTier:
+    """A cold tier of the test's own on a mirror's bucket, to read back what the vault wrote
+    (with the vault's key ring, on an encrypted mirror)."""
     return ColdTier(
         endpoint_url=endpoint.url,
         bucket=endpoint.bucket,
@@ -138,6 +139,7 @@ def independent_tier(endpoint: S3Endpoint) -> ColdTier:
         access_key_id=endpoint.access_key,
         secret_access_key=endpoint.secret_key,
         region=endpoint.region,
+        keys=keys,
     )
 
 

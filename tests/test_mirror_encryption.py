@@ -19,7 +19,16 @@ from tests.conftest import StartVault
 from tests.services.s3 import MinioServer, S3Endpoint
 from tests.services.vault_server import VaultServer, run_vault
 from tests.test_cold_tier import flip_stored_bit, rewrite_object
-from tests.test_mirror import NAMES, PREFIX, Buckets, buckets, minios, mirror_env, wait_for
+from tests.test_mirror import (
+    NAMES,
+    PREFIX,
+    Buckets,
+    buckets,
+    independent_tier,
+    minios,
+    mirror_env,
+    wait_for,
+)
 from tiers.cold import NAMES_ID, ColdTier, KeyRing, new_key
 from vault.digest import Digest, sha256_of
 from vault.errors import IntegrityError
@@ -77,15 +86,7 @@ def wait_replicated(server: VaultServer, env: Mapping[str, str], count: int) -> 
 
 def sealed_tier(endpoint: S3Endpoint, ring: KeyRing) -> ColdTier:
     """A cold tier of the test's own on a mirror's bucket, with the vault's key ring."""
-    return ColdTier(
-        endpoint_url=endpoint.url,
-        bucket=endpoint.bucket,
-        prefix=PREFIX,
-        access_key_id=endpoint.access_key,
-        secret_access_key=endpoint.secret_key,
-        region=endpoint.region,
-        keys=ring,
-    )
+    return independent_tier(endpoint, ring)
 
 
 def files_of(server: MinioServer) -> Iterator[tuple[Path, bytes]]:

@@ -12,7 +12,6 @@ import json
 import random
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 from tests.conftest import StartVault
 from tests.services.s3 import MinioServer, S3Endpoint
 from tests.services.vault_server import VaultServer, run_vault
-from tests.test_mirror import NAMES, PREFIX, mirror_env
+from tests.test_mirror import PREFIX, mirror_env
 from tiers.hot import HotTier
 from tiers.warm import WarmTier
 from vault.client import VaultClient
@@ -381,18 +380,6 @@ def test_two_servers_on_one_postgresql_ledger_release_each_blob_once(
 
 
 # ---------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def minios(clean_environment: None) -> Iterator[list[MinioServer]]:
-    servers: list[MinioServer] = []
-    try:
-        for _ in NAMES:
-            servers.append(MinioServer().start())
-        yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 def _mirror_digests(minio: MinioServer, endpoint: S3Endpoint) -> set[str]:
