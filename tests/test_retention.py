@@ -20,7 +20,7 @@ import pytest
 from tests.conftest import StartVault
 from tests.services.s3 import MinioServer, S3Endpoint
 from tests.services.vault_server import VaultServer, run_vault
-from tests.test_mirror import PREFIX, mirror_env
+from tests.test_mirror import PREFIX, minios, mirror_env
 from tiers.hot import HotTier
 from tiers.warm import WarmTier
 from vault.client import VaultClient
@@ -31,6 +31,8 @@ from vault.runs import Run, start
 from vault.runs.dataset import add_dataset
 from vault.server.released import ReleasingContent
 from vault.store.protocol import put_bytes
+
+__all__ = ["minios"]  # a fixture, used by name
 
 DAY = 86_400.0
 
