@@ -182,6 +182,21 @@ class Skopeo:
             env={"REGISTRY_AUTH_FILE": str(self.auth)},
         )
 
+    def delete(self, reference: str, *options: str) -> subprocess.CompletedProcess[str]:
+        return _run(
+            [
+                self.command,
+                "--policy",
+                str(self.policy),
+                "delete",
+                "--retry-times=0",
+                f"--authfile={self.auth}",
+                *options,
+                reference,
+            ],
+            env={"REGISTRY_AUTH_FILE": str(self.auth)},
+        )
+
 
 @pytest.fixture(scope="module")
 def vault(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vault]:
@@ -223,6 +238,38 @@ def test_skopeo_copies_an_image_into_the_vault_and_back_digest_for_digest(
     manifest, blobs = read_layout(out, "v1")
     assert manifest == image.manifest
     assert blobs == image.blobs
+
+
+def test_skopeo_deletes_an_image_it_pushed_and_the_vault_keeps_the_pin_and_bytes(
+    vault: Vault, image: Layout, tmp_path: Path
+) -> None:
+    skopeo = Skopeo(tmp_path / "skopeo")
+    target = f"docker://{vault.registry.address}/lab/skopeo-delete:v1"
+    pushed = skopeo.copy(
+        image.reference,
+        target,
+        "--preserve-digests",
+        "--dest-tls-verify=false",
+        f"--dest-creds=pusher:{vault.writer}",
+    )
+    assert pushed.returncode == 0, pushed.stderr
+    # skopeo asks the token endpoint for `*`: a reader's token grants it pull alone.
+    denied = skopeo.delete(target, "--tls-verify=false", f"--creds=puller:{vault.reader}")
+    assert denied.returncode != 0, denied.stderr
+    assert vault.registry.request("HEAD", "/v2/lab/skopeo-delete/manifests/v1").status == 200
+
+    deleted = skopeo.delete(target, "--tls-verify=false", f"--creds=pusher:{vault.writer}")
+    assert deleted.returncode == 0, deleted.stderr
+    for reference in ("v1", image.manifest):
+        head = vault.registry.request("HEAD", f"/v2/lab/skopeo-delete/manifests/{reference}")
+        assert head.status == 404, reference
+    # skopeo deletes by digest: the manifest is withdrawn from the repository, by the caller;
+    # its pin and every byte stay.
+    withdrawn = [p.entry for p in vault.admin.lookup(image.manifest) if p.entry.kind == "withdraw"]
+    assert [(e.author, dict(e.meta)) for e in withdrawn] == [
+        ("pusher", {"repository": "lab/skopeo-delete"})
+    ]
+    assert vault.admin.find_missing(sorted(image.blobs)) == []
 
 
 def test_skopeo_with_a_wrong_token_is_refused_and_nothing_is_pinned(

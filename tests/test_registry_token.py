@@ -24,6 +24,17 @@ def test_a_token_grants_what_was_asked_and_the_role_allows() -> None:
     assert tokens.check(tokens.issue(WRITER, asked)[0]).allows("lab/a", "push")
 
 
+def test_delete_and_every_action_are_granted_to_a_role_that_may_write() -> None:
+    tokens = RegistryTokens(b"key")
+    asked = parse_scopes(["repository:lab/a:delete repository:lab/b:*"])
+    assert asked == {"lab/a": {"delete"}, "lab/b": {"pull", "push", "delete"}}
+    writer = tokens.check(tokens.issue(WRITER, asked)[0])
+    assert writer.allows("lab/a", "delete") and not writer.allows("lab/a", "push")
+    assert all(writer.allows("lab/b", action) for action in ("pull", "push", "delete"))
+    reader = tokens.check(tokens.issue(READER, asked)[0])
+    assert reader.access == {"lab/b": {"pull"}}
+
+
 def test_a_token_is_good_until_it_expires_on_any_server_with_the_key() -> None:
     now = [1000.0]
     issuer = RegistryTokens(b"the vault's key", lifetime=300, clock=lambda: now[0])

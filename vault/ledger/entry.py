@@ -20,12 +20,19 @@ from vault.errors import InvalidArgument, VerificationError
 FORMAT_VERSION: Final = 1
 # The kinds a caller may pin. `hold` keeps a blob from the gc (docs/retention.md).
 KINDS: Final = ("image", "dataset", "config", "run", "artefact", "checkpoint", "hold")
-# The kind of the entry by which the vault's own gc releases a blob's bytes: written by the
-# vault alone, never pinned by a caller (an entry that released bytes it was not asked to would
-# be a way to delete them).
+# The kind of the entry by which the vault's own gc releases a blob's bytes (an entry that
+# released bytes it was not asked to would be a way to delete them).
 RELEASE: Final = "release"
+# The kind of the entry by which the vault's registry records a DELETE of a manifest or a tag:
+# the name is withdrawn from a repository, the `image` pin and the bytes stay (docs/registry.md).
+WITHDRAW: Final = "withdraw"
+# The kinds the vault writes itself, never pinned by a caller, and what writes each.
+VAULT_KINDS: Final = {
+    RELEASE: "the vault's gc (vault gc)",
+    WITHDRAW: "the vault's registry, for a DELETE of a manifest or tag",
+}
 # Every kind an entry may have.
-ALL_KINDS: Final = (*KINDS, RELEASE)
+ALL_KINDS: Final = (*KINDS, *VAULT_KINDS)
 ZERO_HASH: Final = bytes(32)
 
 MAX_SUBJECTS: Final = 16
@@ -181,10 +188,9 @@ def time_bound(text: str, what: str) -> str:
 
 def check_kind(kind: str) -> str:
     """A kind a caller may pin."""
-    if kind == RELEASE:
-        raise InvalidArgument(
-            f"a {RELEASE!r} entry is written only by the vault's gc (vault gc), never pinned"
-        )
+    writer = VAULT_KINDS.get(kind)
+    if writer is not None:
+        raise InvalidArgument(f"a {kind!r} entry is written only by {writer}, never pinned")
     if kind not in KINDS:
         raise InvalidArgument(f"unknown kind {kind!r}: expected one of {', '.join(KINDS)}")
     return kind

@@ -4,6 +4,9 @@ when it is written and whenever it is read, and every manifest pushed is pinned 
 entry whose metadata names its repository and tag. A tag is resolved through the ledger (the
 newest `image` entry naming it in that repository), never trusted as identity.
 
+A DELETE of a manifest or tag is a `withdraw` entry: the name leaves the repository, the pin
+and the bytes stay. A DELETE of a blob hides it from that repository alone (`HiddenBlobs`).
+
 A pushed body goes to a sink of the edge's (`_UploadBody`, `_ManifestBody`), given each piece on
 a worker thread once the edge has read it, so a caller dripping an upload holds no thread; a
 body that fails leaves no part of itself in an upload session or the store."""
@@ -28,8 +31,6 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
-from sqlalchemy import select
-
 from vault.config import Config, RegistryConfig
 from vault.digest import Digest, sha256_of
 from vault.errors import (
@@ -45,14 +46,23 @@ from vault.errors import (
 )
 from vault.files import fsync_dir
 from vault.http_edge import BodyError, Edge, Limits, Request, Response, Sink
-from vault.ledger import db as tables
-from vault.ledger.entry import Entry
+from vault.ledger.entry import WITHDRAW, Entry, check_author, check_meta
 from vault.ledger.log import Ledger
-from vault.ledger.records import PinSpec, StoredEntry
+from vault.ledger.records import PinSpec
 from vault.server.auth import LOCAL, Authenticator, Gate, Identity
 from vault.server.content import Content
 from vault.server.failed_credentials import caller_address
+from vault.server.registry_hidden import HiddenBlobs
+from vault.server.registry_names import (
+    KIND,
+    MEDIA_TYPE,
+    REPOSITORY,
+    SUBJECT,
+    TAG,
+    RepositoryNames,
+)
 from vault.server.registry_token import (
+    DELETE,
     PREFIX,
     PULL,
     PUSH,
@@ -66,12 +76,6 @@ from vault.server.registry_token import (
 log = logging.getLogger("pinvault")
 _R = TypeVar("_R")
 
-# The kind of entry a pushed manifest is pinned as, and its metadata keys.
-KIND: Final = "image"
-REPOSITORY: Final = "repository"
-TAG: Final = "tag"
-MEDIA_TYPE: Final = "media-type"
-SUBJECT: Final = "subject"
 # Where open uploads keep their bytes, in the data folder; emptied at every start.
 UPLOADS: Final = "registry-uploads"
 
@@ -93,8 +97,6 @@ _TOKEN_PATH: Final = "/token"
 _HOST: Final = re.compile(r"(?:[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\])(?::\d{1,5})?")
 _LOOPBACK: Final = ("127.0.0.1", "localhost", "::1", "[::1]")
 _FILE_PIECE: Final = 1024 * 1024
-# Image entries read in one query while resolving a tag or listing tags.
-_SCAN_BATCH: Final = 1000
 
 # The spec's grammar for repository names, tags and (sha256) digests.
 _NAME: Final = r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*)*"
@@ -371,6 +373,8 @@ class Registry:
         # host:port this registry listens on, once it does.
         self.origin = ""
         self.uploads = Uploads(uploads, settings)
+        self.hidden = HiddenBlobs(ledger.db)
+        self.names = RepositoryNames(ledger)
 
     # -- the edge's handler
 
@@ -404,14 +408,20 @@ class Registry:
                 return self._start_upload(request, who, name, query)
             return self._upload(request, who, name, route["upload"], query)
         if route["blob"] is not None:
+            if method == "DELETE":
+                who = self._identify(request, DELETE, name)
+                return self._delete_blob(who, name, route["blob"])
             if method not in ("GET", "HEAD"):
                 raise _method(method)
             self._identify(request, PULL, name)
-            return self._blob(request, route["blob"])
+            return self._blob(request, name, route["blob"])
         if route["reference"] is not None:
             if method == "PUT":
                 who = self._identify(request, PUSH, name)
                 return self._put_manifest(request, who, name, route["reference"])
+            if method == "DELETE":
+                who = self._identify(request, DELETE, name)
+                return self._delete_manifest(who, name, route["reference"])
             if method not in ("GET", "HEAD"):
                 raise _method(method)
             self._identify(request, PULL, name)
@@ -427,12 +437,13 @@ class Registry:
         return self._referrers(name, route["referrers"], query)
 
     def _identify(self, request: Request, action: str, name: str = "") -> Identity:
-        """Who is calling, after checking they may `action` (pull, push) on repository `name`
-        (none: the API's root, which any caller with a credential may reach). A caller without
-        one, or whose registry token lacks the scope, is challenged to the token endpoint."""
+        """Who is calling, after checking they may `action` (pull, push, delete) on repository
+        `name` (none: the API's root, which any caller with a credential may reach). A caller
+        without one, or whose registry token lacks the scope, is challenged to the token
+        endpoint."""
         if self.tokens is None:
             return LOCAL
-        permission = "write" if action == PUSH else "read"
+        permission = _permission(action)
         given = request.header("Authorization")
         if not given and action == PULL and self.settings.anonymous_pull:
             return Identity("anonymous", "", "reader")
@@ -474,7 +485,7 @@ class Registry:
                 raise refused from None
             raise Refusal(401, "UNAUTHORIZED", str(exc), challenge) from None
         if name and not grant.allows(name, action):
-            if not grant.identity.may("write" if action == PUSH else "read"):
+            if not grant.identity.may(_permission(action)):
                 raise PermissionDenied(
                     f"{grant.identity.name} (role {grant.identity.role}) may not {action}"
                 )
@@ -574,11 +585,13 @@ class Registry:
 
     # -- blobs
 
-    def _blob(self, request: Request, text: str) -> Response:
+    def _blob(self, request: Request, name: str, text: str) -> Response:
         digest = sha256_digest(text)
         blob = self.content.find(digest)
         if blob is None:
             raise Refusal(404, "BLOB_UNKNOWN", f"blob {digest} is not in the vault")
+        if self.hidden.hidden(name, [str(digest)]):
+            raise Refusal(404, "BLOB_UNKNOWN", f"blob {digest} was deleted from {name}")
         size = blob.info.size
         headers = [*_API, ("Docker-Content-Digest", str(digest)), ("Accept-Ranges", "bytes")]
         offset, length, status = 0, size, 200
@@ -607,14 +620,29 @@ class Registry:
             length=length,
         )
 
+    def _delete_blob(self, who: Identity, name: str, text: str) -> Response:
+        """Hide a blob from repository `name`: it is unknown there until pushed or mounted there
+        again. Its bytes stay, for every other repository and every pin that names them."""
+        digest = str(sha256_digest(text))
+        if self.content.find(Digest.parse(digest)) is None or self.hidden.hidden(name, [digest]):
+            raise Refusal(404, "BLOB_UNKNOWN", f"no blob {digest} in {name}")
+        self.hidden.hide(name, digest)
+        log.info("registry: %s deleted blob %s from %s", who.name, digest, name)
+        return Response(202, headers=_API)
+
     def _start_upload(
         self, request: Request, who: Identity, name: str, query: Mapping[str, str]
     ) -> Response | Sink:
         mounted = query.get("mount")
         if mounted is not None:
-            # Every blob of the vault is in every repository: a mount is a look-up.
+            # Every blob of the vault is in every repository it was not deleted from: a mount
+            # is a look-up.
             digest = sha256_digest(mounted)
-            if self.content.find(digest) is not None:
+            source = query.get("from")
+            if self.content.find(digest) is not None and not (
+                source and self.hidden.hidden(source, [str(digest)])
+            ):
+                self.hidden.show(name, [str(digest)])
                 return _created(name, digest)
         if "digest" in query:
             digest = sha256_digest(query["digest"])
@@ -671,6 +699,7 @@ class Registry:
             raise Refusal(400, "DIGEST_INVALID", str(exc)) from None
         finally:
             self.uploads.close(upload)
+        self.hidden.show(name, [str(digest)])
         return _created(name, digest)
 
     # -- manifests
@@ -695,12 +724,20 @@ class Registry:
             tag = reference
         else:
             raise Refusal(400, "MANIFEST_INVALID", f"{reference[:80]!r} is not a tag or digest")
-        held = self.content.find_many([digest for digest, _ in manifest.blobs])
+        named = [digest for digest, _ in manifest.blobs]
+        held = self.content.find_many(named)
+        hidden = self.hidden.hidden(name, named)
         for digest, size in manifest.blobs:
             blob = held.get(digest)
             if blob is None:
                 raise Refusal(
                     400, "MANIFEST_BLOB_UNKNOWN", f"the manifest names {digest}, not in the vault"
+                )
+            if digest in hidden:
+                raise Refusal(
+                    400,
+                    "MANIFEST_BLOB_UNKNOWN",
+                    f"the manifest names {digest}, which was deleted from {name}: push it again",
                 )
             if blob.info.size != size:
                 raise Refusal(
@@ -725,20 +762,7 @@ class Registry:
         return Response(201, headers=headers)
 
     def _manifest(self, name: str, reference: str) -> Response:
-        if _SHA256.fullmatch(reference):
-            digest = reference
-            pins = [
-                Entry.decode(stored.body)
-                for stored, external in self.ledger.pins_of_kind(reference, KIND)
-                if not external
-            ]
-            entry = next(
-                (e for e in reversed(pins) if e.subjects[0] == digest and _in(e, name)), None
-            )
-        elif _TAG.fullmatch(reference):
-            entry = next((e for e in self._images(name) if e.meta.get(TAG) == reference), None)
-        else:
-            raise Refusal(400, "MANIFEST_INVALID", f"{reference[:80]!r} is not a tag or digest")
+        entry = self._resolve(name, reference)
         if entry is None:
             raise Refusal(404, "MANIFEST_UNKNOWN", f"no manifest {reference} in {name}")
         digest = entry.subjects[0]
@@ -752,37 +776,43 @@ class Registry:
             headers=(*_API, ("Docker-Content-Digest", digest)),
         )
 
-    def _images(self, name: str) -> Iterator[Entry]:
-        """The `image` entries of repository `name`, newest first."""
-        e = tables.entries
-        before = self.ledger.size
-        while before > 0:
-            query = (
-                select(e.c.idx, e.c.body)
-                .where(e.c.idx < before, e.c.kind == KIND)
-                .order_by(e.c.idx.desc())
-                .limit(_SCAN_BATCH)
-            )
-            with self.ledger.db.read.connect() as conn:
-                rows = [StoredEntry(idx, bytes(body)) for idx, body in conn.execute(query)]
-            if not rows:
-                return
-            for stored in rows:
-                entry = Entry.decode(stored.body)
-                if _in(entry, name):
-                    yield entry
-            before = rows[-1].index
+    def _delete_manifest(self, who: Identity, name: str, reference: str) -> Response:
+        """Withdraw a tag (the manifest stays, by digest and by its other tags) or a manifest
+        (and with it every tag of it) from repository `name`: a `withdraw` entry, after which
+        the name resolves to nothing on every server of the vault. Pushing it again brings it
+        back."""
+        entry = self._resolve(name, reference)
+        if entry is None:
+            raise Refusal(404, "MANIFEST_UNKNOWN", f"no manifest {reference} in {name}")
+        meta = {REPOSITORY: name}
+        if not _SHA256.fullmatch(reference):
+            meta[TAG] = reference
+        # Not `PinSpec.checked`, which refuses this kind to every caller.
+        spec = PinSpec(
+            WITHDRAW,
+            (entry.subjects[0],),
+            check_author(who.author("registry")),
+            check_meta(meta),
+        )
+        (withdrawn,) = self.ledger.append([spec])
+        log.info(
+            "registry: %s deleted %s@%s as entry %d", who.name, name, reference, withdrawn.index
+        )
+        return Response(202, headers=_API)
+
+    def _resolve(self, name: str, reference: str) -> Entry | None:
+        """The `image` entry that `reference` (a digest or a tag) names in repository `name`,
+        or None (see `RepositoryNames`)."""
+        if _SHA256.fullmatch(reference):
+            return self.names.by_digest(name, reference)
+        if not _TAG.fullmatch(reference):
+            raise Refusal(400, "MANIFEST_INVALID", f"{reference[:80]!r} is not a tag or digest")
+        return self.names.by_tag(name, reference)
 
     def _tags(self, name: str, query: Mapping[str, str]) -> Response:
-        tags: set[str] = set()
-        seen = False
-        for entry in self._images(name):
-            seen = True
-            if TAG in entry.meta:
-                tags.add(entry.meta[TAG])
-        if not seen:
+        listed = self.names.tags(name)
+        if listed is None:
             raise Refusal(404, "NAME_UNKNOWN", f"no repository {name} in this registry")
-        listed = sorted(tags)
         last = query.get("last")
         if last is not None:
             listed = [tag for tag in listed if tag > last]
@@ -803,9 +833,9 @@ class Registry:
         subject = str(sha256_digest(text))
         wanted = query.get("artifactType")
         manifests: dict[str, dict[str, Any]] = {}
-        for entry in self._images(name):
+        for entry in self.names.manifests(name):
             digest = entry.subjects[0]
-            if entry.meta.get(SUBJECT) != subject or digest in manifests:
+            if entry.meta.get(SUBJECT) != subject:
                 continue
             blob = self.content.find(Digest.parse(digest))
             if blob is None:
@@ -843,14 +873,13 @@ def _byte_range(text: str, size: int) -> tuple[int, int]:
     return (first, last) if first < size else (1, 0)
 
 
-def _in(entry: Entry, name: str) -> bool:
-    return entry.kind == KIND and entry.meta.get(REPOSITORY) == name
+def _permission(action: str) -> str:
+    """The permission of a role an action on a repository needs."""
+    return "read" if action == PULL else "write"
 
 
 def _method(method: str) -> Refusal:
-    return Refusal(
-        405, "UNSUPPORTED", f"{method} is not supported here (entries are never deleted)"
-    )
+    return Refusal(405, "UNSUPPORTED", f"{method} is not supported here")
 
 
 def _answered(work: Callable[[], _R]) -> _R | Response:

@@ -29,8 +29,12 @@ LIFETIME: Final = 300
 PREFIX: Final = "pvr1."
 PULL: Final = "pull"
 PUSH: Final = "push"
-# The actions each permission of a role grants on a repository.
-_GRANTS: Final = {PULL: "read", PUSH: "write"}
+DELETE: Final = "delete"
+# The permission of a role each action on a repository needs: a delete withdraws a name, which
+# a writer may push again.
+_GRANTS: Final = {PULL: "read", PUSH: "write", DELETE: "write"}
+# What `*` asks for: every action (what `skopeo delete` asks for).
+_EVERY: Final = "*"
 # A token request asks for at most so many scopes: its work stays bounded.
 MAX_SCOPES: Final = 16
 _MAX_TOKEN: Final = 8192
@@ -70,7 +74,8 @@ def parse_scopes(texts: Iterable[str]) -> dict[str, frozenset[str]]:
             found = _SCOPE.fullmatch(scope)
             if found is None:
                 continue
-            actions = {a for a in found["actions"].split(",") if a in _GRANTS}
+            named = set(found["actions"].split(","))
+            actions = set(_GRANTS) if _EVERY in named else named & set(_GRANTS)
             if actions:
                 asked.setdefault(found["name"], set()).update(actions)
     return {name: frozenset(actions) for name, actions in asked.items()}
@@ -79,7 +84,7 @@ def parse_scopes(texts: Iterable[str]) -> dict[str, frozenset[str]]:
 def scope_of(name: str, action: str) -> str:
     """The scope a challenge names for `action` on `name` (a push asks for pull too, as
     clients read back what they push)."""
-    return f"repository:{name}:{'pull,push' if action == PUSH else PULL}"
+    return f"repository:{name}:{'pull,push' if action == PUSH else action}"
 
 
 def _b64(data: bytes) -> str:
@@ -148,6 +153,7 @@ class RegistryTokens:
 
 
 __all__ = [
+    "DELETE",
     "LIFETIME",
     "PREFIX",
     "PULL",

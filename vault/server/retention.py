@@ -35,7 +35,7 @@ from vault.config import Config, RetentionConfig
 from vault.digest import Digest
 from vault.errors import FailedPrecondition, IntegrityError, NotFound, VaultError
 from vault.ledger.db import Database
-from vault.ledger.entry import RELEASE, check_meta
+from vault.ledger.entry import RELEASE, VAULT_KINDS, check_meta
 from vault.ledger.records import PinSpec
 from vault.ledger.sequencer import MAX_BATCH
 from vault.server.assembly import manager_of
@@ -226,6 +226,10 @@ class _LedgerView:
         if kind == RELEASE:
             for subject in subjects:
                 self.releases[subject] = index
+            return
+        if kind in VAULT_KINDS:
+            # A registry's withdraw names a manifest that its `image` entry pins: it pins
+            # nothing itself.
             return
         for subject in subjects:
             self.last_named[subject] = index
@@ -476,7 +480,7 @@ class Retention:
         named: set[str] = set()
         documents: dict[str, str] = {}
         for _, kind, subjects in new:
-            if kind == RELEASE:
+            if kind in VAULT_KINDS:
                 continue
             named.update(subjects)
             if kind in _DOCUMENT_KINDS or kind == "checkpoint":
