@@ -20,7 +20,9 @@ import select
 import socket
 import stat
 import struct
-from typing import Final, Literal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Final, Literal
 
 from vault.errors import IntegrityError, Unavailable
 from vault.files import unix_address
@@ -98,6 +100,88 @@ def read_piped(fd: int, size: int, within: float = PIPE_STALL) -> memoryview:
         got += n
     # A fresh buffer for each chunk: the hashing thread may still read it while the next fills.
     return view
+
+
+class PipedGet:
+    """The bytes of a whole-blob get that the server writes into the handed-off pipe, read as
+    fast as it writes them.
+
+    The server sends a message naming each chunk, then writes the chunk into the pipe, which
+    holds one chunk. A reader that waited for each message before taking its chunk would leave
+    the server idle for a message's trip through both event loops at every chunk (measured: two
+    of a 1 GiB get's four seconds). So the pipe is read on its own, a chunk at a time, while a
+    thread takes the messages: they carry nothing the digest checked at the end does not cover,
+    but they must be taken for the server to go on, and the call's end says whether the server
+    finished or failed (a damaged copy: it closes the pipe and the call ends in its error)."""
+
+    def __init__(
+        self,
+        fd: int,
+        messages: Iterator[Any],
+        start: int,
+        end: int,
+        chunk_size: int,
+        errors: Callable[[], Any],
+    ) -> None:
+        self._fd = fd
+        self._position = start
+        self._end = end
+        self._chunk_size = chunk_size
+        self._error: BaseException | None = None
+        self._ended = threading.Event()
+        self._thread = threading.Thread(
+            target=self._take_messages,
+            args=(messages, start, errors),
+            name="pinvault-get-messages",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _take_messages(
+        self, messages: Iterator[Any], expected: int, errors: Callable[[], Any]
+    ) -> None:
+        try:
+            with errors():
+                for message in messages:
+                    chunk = message.chunk
+                    if message.WhichOneof("part") != "chunk" or chunk.data:
+                        raise IntegrityError(
+                            "the server sent bytes for a get into a handed-off pipe"
+                        )
+                    if chunk.offset != expected or expected >= self._end:
+                        raise IntegrityError(
+                            f"the server named a chunk at offset {chunk.offset} of a get into a "
+                            f"handed-off pipe, expected {expected}"
+                        )
+                    expected += self._chunk_size
+        except BaseException as error:
+            self._error = error
+        finally:
+            self._ended.set()
+
+    def next_chunk(self) -> memoryview | None:
+        """The next chunk's bytes from the pipe, or None once all were read and the call ended
+        well; the call's error if it failed, IntegrityError if the pipe ends early."""
+        if self._position >= self._end:
+            self._finish(within=PIPE_STALL)
+            return None
+        size = min(self._chunk_size, self._end - self._position)
+        try:
+            data = read_piped(self._fd, size)
+        except (IntegrityError, Unavailable):
+            # A server that failed closed the pipe first: its error says why, not the pipe.
+            self._finish(within=_ANSWER_WITHIN)
+            raise
+        self._position += size
+        return data
+
+    def _finish(self, within: float) -> None:
+        if not self._ended.wait(within):
+            raise Unavailable(
+                f"the vault server did not end a get {within:g} seconds after its pipe"
+            )
+        if self._error is not None:
+            raise self._error
 
 
 def _lends_nothing_more(fd: int, connection: socket.socket) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Final
 import blake3
 
 from vault.client.channel import rpc_errors
-from vault.client.handoff import read_piped
+from vault.client.handoff import PipedGet
 from vault.client.results import BlobInfo
 from vault.digest import Digest
 from vault.errors import IntegrityError
@@ -90,6 +90,13 @@ class BlobReader(io.RawIOBase):
             raise IntegrityError("the server answered a get into a handed-off file with a range")
         self._check_chunks = check_chunks or not self._whole
         self._hash = BackgroundHash(requested.algorithm, header.length) if self._whole else None
+        self._piped = (
+            None
+            if handed_off is None
+            else PipedGet(
+                handed_off, responses, self._start, self._end, header.chunk_size, rpc_errors
+            )
+        )
         self._requested = requested
         self._buffer = memoryview(b"")
         self._position = self._start
@@ -99,6 +106,8 @@ class BlobReader(io.RawIOBase):
         return True
 
     def _next_chunk(self) -> bool:
+        if self._piped is not None:
+            return self._next_piped(self._piped)
         with rpc_errors():
             message = next(self._responses, None)
         if message is None:
@@ -114,7 +123,7 @@ class BlobReader(io.RawIOBase):
             self._done = True
             return False
         chunk = message.chunk
-        data = chunk.data if self._handed_off is None else self._written(chunk)
+        data = chunk.data
         if self._check_chunks and blake3.blake3(data).digest() != chunk.hash:
             raise IntegrityError(
                 f"{self._requested}: chunk at offset {chunk.offset} failed its check"
@@ -131,16 +140,21 @@ class BlobReader(io.RawIOBase):
         self._position += hi - lo
         return True
 
-    def _written(self, chunk: pb.Chunk) -> memoryview:
-        """This chunk's bytes, which the server wrote into the pipe handed off for the get."""
-        assert self._handed_off is not None
-        if chunk.data:
-            raise IntegrityError("the server sent bytes for a get into a handed-off pipe")
-        if chunk.offset != self._position:
-            raise IntegrityError(
-                f"{self._requested}: chunk at offset {chunk.offset} is out of order"
-            )
-        return read_piped(self._handed_off, max(min(self._chunk_size, self._end - chunk.offset), 0))
+    def _next_piped(self, piped: PipedGet) -> bool:
+        """As _next_chunk, for a get whose bytes the server writes into the handed-off pipe."""
+        data = piped.next_chunk()
+        if data is None:
+            if self._hash is not None and self._hash.digest() != self._requested.raw:
+                raise IntegrityError(
+                    f"{self._requested}: the bytes received do not match the digest"
+                )
+            self._done = True
+            return False
+        if self._hash is not None:
+            self._hash.update(data)
+        self._buffer = data
+        self._position += len(data)
+        return True
 
     def readinto(self, buffer: Any) -> int:
         """Verified bytes into `buffer`; IntegrityError for a chunk that fails its check, a
