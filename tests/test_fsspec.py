@@ -6,6 +6,7 @@ the tool."""
 from __future__ import annotations
 
 import io
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -249,3 +250,100 @@ def test_a_changed_byte_stops_the_read(
         assert "Store/Get" in proxy.calls
     # Nothing unverified was left in the spool folder.
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []
+
+
+# ---------------------------------------------------------------------- ranges verified alone
+
+
+class CountingGets:
+    """A Store/Get rule that counts the blob bytes the server sends through the proxy."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def __call__(
+        self, request: pb.GetRequest, answers: Iterator[pb.GetResponse]
+    ) -> Iterator[pb.GetResponse]:
+        for answer in answers:
+            if answer.WhichOneof("part") == "chunk":
+                self.sent += len(answer.chunk.data)
+            yield answer
+
+
+def safetensors_like(tensors: dict[str, int], seed: str) -> tuple[bytes, dict[str, bytes]]:
+    """A safetensors-shaped file: an 8-byte little-endian header length, a JSON header giving
+    each tensor's byte range, then the tensors' bytes."""
+    rng = random.Random(seed)
+    data = {name: rng.randbytes(size) for name, size in tensors.items()}
+    header: dict[str, Any] = {}
+    at = 0
+    for name, size in tensors.items():
+        header[name] = {"dtype": "U8", "shape": [size], "data_offsets": [at, at + size]}
+        at += size
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + b"".join(data.values()), data
+
+
+def test_a_random_read_of_a_pinned_safetensors_file_fetches_only_its_ranges(
+    vault_server: VaultServer,
+    client: VaultClient,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    blob, tensors = safetensors_like(
+        {"embed": 9 * MiB, "layer.0": 6 * MiB + 17, "head": 5 * MiB}, "safetensors"
+    )
+    digest = str(client.put(blob).blob.sha256)
+    client.pin("config", digest)  # by the client that put it: the pin records its chunk root
+    counting = CountingGets()
+    with TamperingProxy(vault_server.address) as proxy:
+        configure(monkeypatch, proxy.address, tmp_path)
+        proxy.tamper("Store/Get", counting)
+        with fsspec.open(f"vault://{digest}", "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length))
+            start, end = header["layer.0"]["data_offsets"]
+            base = 8 + length
+            f.seek(base + start)
+            assert f.read(end - start) == tensors["layer.0"]
+        first, last = (base + start) // MiB, (base + end - 1) // MiB
+        # The header's chunk, and those of the one tensor: not the 20 MiB file.
+        assert counting.sent == (1 + last - first + 1) * MiB
+
+        proxy.tamper("Store/Get", flip_a_byte)
+        with (
+            fsspec.open(f"vault://{digest}", "rb") as f,
+            pytest.raises(
+                IntegrityError, match=f"{digest}: the chunk at byte offset 0 does not match"
+            ),
+        ):
+            f.read(8)
+
+
+def test_pyarrow_reads_a_pinned_parquet_files_footer_and_one_row_group_alone(
+    vault_server: VaultServer,
+    client: VaultClient,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    rng = random.Random("parquet ranges")
+    table = pandas.DataFrame(
+        {"step": list(range(64)), "blob": [rng.randbytes(256 * 1024) for _ in range(64)]}
+    )
+    out = io.BytesIO()
+    table.to_parquet(out, index=False, row_group_size=4, compression=None)
+    data = out.getvalue()
+    digest = str(client.put(data).blob.sha256)
+    client.pin("config", digest)
+    counting = CountingGets()
+    with TamperingProxy(vault_server.address) as proxy:
+        configure(monkeypatch, proxy.address, tmp_path)
+        proxy.tamper("Store/Get", counting)
+        with fsspec.open(f"vault://{digest}", "rb") as f:
+            parquet = pyarrow.parquet.ParquetFile(f)
+            assert parquet.metadata.num_rows == 64 and parquet.num_row_groups == 16
+            group = parquet.read_row_group(9).to_pandas()
+    assert list(group["step"]) == [36, 37, 38, 39]
+    assert list(group["blob"]) == list(table["blob"][36:40])
+    # The footer's chunk and one row group's (1 MiB, over at most 2 chunks): not 16 MiB.
+    assert len(data) > 16 * MiB and counting.sent <= 4 * MiB

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 
 import vault.runs.manifest
@@ -31,6 +32,7 @@ from vault.errors import (
     InvalidArgument,
     VerificationError,
 )
+from vault.ledger.merkle import items_root
 from vault.ledger.runid import RunInputs
 from vault.runs import CheckpointManifest, Run, RunManifest, load_run_manifest, start
 from vault.runs.dataset import add_dataset
@@ -206,10 +208,15 @@ def test_an_output_is_hashed_on_the_way_stored_and_recorded(
     (entry,) = entries_of(client, admission.run_id, "artefact")
     assert entry.subjects == (sha256(data), admission.run_id)
     # The team is the vault's record of who wrote it: the run's (in local mode, as claimed).
+    # The chunk root of what was put lets a range of it be verified alone.
+    chunks = [
+        blake3.blake3(data[at : at + (1 << 20)]).digest() for at in range(0, len(data), 1 << 20)
+    ]
     assert dict(entry.meta) == {
         "path": "results/weights.bin",
         "size": str(len(data)),
         "team": admission.team,
+        "chunk-root": items_root(chunks).hex(),
     }
     copy = tmp_path / "copy"
     client.get(sha256(data), copy)

@@ -9,9 +9,10 @@ import getpass
 import os
 import socket
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Final
 
 from vault.client.channel import Credentials, open_channel, rpc_errors, with_default_port
 from vault.client.proofs import check_inclusion, check_proven, names_any, not_about
@@ -30,6 +31,7 @@ from vault.wire import pinvault_pb2_grpc as rpc
 # Transfers, direct transfers and the audit load when first used: a command that only looks
 # something up (`vault stat` in a scheduler's prologue) starts without them.
 if TYPE_CHECKING:
+    from vault.client.ranges import RangeReader, VerifiedChunks
     from vault.client.reader import BlobReader
     from vault.client.transfer import Transfer
     from vault.ledger.audit import AuditReport
@@ -105,6 +107,11 @@ class VaultClient:
         self._transfer_made: Transfer | None = None
         # blake3 digest -> the sha256 digest this client computed from the same bytes.
         self._aliases: dict[Digest, Digest] = {}
+        # Digest (both spellings) -> the chunk root this client computed of the bytes it put,
+        # for blobs of more than one chunk: what its pins of them record.
+        self._put_roots: OrderedDict[str, bytes] = OrderedDict()
+        # The chunk lists of blobs read by range lately, verified against their chunk roots.
+        self._chunk_lists: OrderedDict[Digest, VerifiedChunks] = OrderedDict()
 
     @property
     def _transfer(self) -> Transfer:
@@ -142,8 +149,25 @@ class VaultClient:
         A file of at least `HANDOFF_MIN` bytes on the vault's own host is handed to the server,
         which reads it itself (vault.client.handoff); anything else streams. `handoff=True` asks
         for the handoff whatever the size and fails if it cannot be had; `False` always
-        streams."""
-        return self._transfer.put(source, expected=expected, progress=progress, handoff=handoff)
+        streams. The client computes the chunk root of what it sends too, which its pins of
+        the blob record (see `pin`)."""
+        result = self._transfer.put(source, expected=expected, progress=progress, handoff=handoff)
+        self._remember_root(result)
+        return result
+
+    def _remember_root(self, result: PutResult) -> None:
+        from vault.client.ranges import CHUNK_SIZE
+
+        # A blob of one chunk costs no more to verify whole than by range: it records none.
+        if result.chunk_root is None or result.blob.size <= CHUNK_SIZE:
+            return
+        # Puts run on many threads at once (a checkpoint's files).
+        with self._transfer_lock:
+            for digest in (str(result.blob.sha256), str(result.blob.blake3)):
+                self._put_roots[digest] = result.chunk_root
+                self._put_roots.move_to_end(digest)
+            while len(self._put_roots) > _KEPT_ROOTS:
+                self._put_roots.popitem(last=False)
 
     def put_direct(
         self,
@@ -203,10 +227,17 @@ class VaultClient:
 
         A whole blob streams: each chunk is checked against the server's chunk list as it
         comes, and reading the end raises IntegrityError unless everything matches the digest,
-        so act on the bytes only once the end was read. A range is verified before it is read:
-        the whole blob is fetched into an unlinked private file and its digest checked first
-        (the server's chunk list alone is bound to nothing signed)."""
-        return self._transfer.open(digest, offset=offset, length=length, check_chunks=check_chunks)
+        so act on the bytes only once the end was read.
+
+        A range is verified before any of it is read. If a verified pin of the digest records
+        the blob's chunk root (see `verified_chunks`), only the chunks covering the range are
+        fetched, each checked against the chunk list that root vouches for; otherwise the whole
+        blob is fetched into an unlinked private file and its digest checked first (the
+        server's chunk list alone is bound to nothing signed)."""
+        chunks = None if offset == 0 and length is None else self.verified_chunks(digest)
+        return self._transfer.open(
+            digest, offset=offset, length=length, check_chunks=check_chunks, chunks=chunks
+        )
 
     def copy_to(
         self,
@@ -221,8 +252,12 @@ class VaultClient:
         which cannot take bytes back: the whole blob is first fetched into an unlinked private
         file in `spool` (default: the user's cache folder, ~/.cache/pinvault) and checked
         against its digest, and only then is any byte copied to `out`. On failure nothing
-        reaches `out`."""
-        return self._transfer.copy_to(digest, out, offset=offset, length=length, spool=spool)
+        reaches `out`. A range of a blob whose chunk root a verified pin records is fetched
+        alone (see `open`), and spooled until all of it was checked."""
+        chunks = None if offset == 0 and length is None else self.verified_chunks(digest)
+        return self._transfer.copy_to(
+            digest, out, offset=offset, length=length, spool=spool, chunks=chunks
+        )
 
     def get(
         self,
@@ -246,10 +281,60 @@ class VaultClient:
         and the client hashes and writes the file itself (vault.store.handoff says why; a
         resumed get streams the rest).
         `handoff=False` streams; `handoff=True` fails if the handoff cannot be had. A range is
-        cut from the whole blob once that is verified (see `open`)."""
+        fetched alone if a verified pin records the blob's chunk root, else cut from the whole
+        blob once that is verified (see `open`)."""
+        whole = offset == 0 and length is None
+        chunks = None if whole or handoff else self.verified_chunks(digest)
         return self._transfer.get(
-            digest, path, offset=offset, length=length, progress=progress, handoff=handoff
+            digest,
+            path,
+            offset=offset,
+            length=length,
+            progress=progress,
+            handoff=handoff,
+            chunks=chunks,
         )
+
+    def verified_chunks(self, digest: str) -> VerifiedChunks | None:
+        """The blob's chunk hashes, verified against the chunk root that the verified pins of
+        `digest` record (vault.client.ranges), with which any range of it is verified alone;
+        None when the whole blob must be verified instead: the digest is not a sha256 digest
+        (pins name stored blobs by it), no pin records a root, pins disagree on it, or the
+        vault lists no chunk hashes. A pin whose proof fails raises VerificationError, and a
+        chunk list that does not hash to the recorded root IntegrityError naming the digest:
+        neither falls back. A 4 GiB blob's list is 128 KiB."""
+        from vault.client.ranges import fetch_chunk_hashes, signed_root
+
+        wanted = Digest.parse(digest)
+        if wanted.algorithm != "sha256":
+            return None
+        with self._transfer_lock:
+            known = self._chunk_lists.get(wanted)
+        if known is not None:
+            return known
+        try:
+            pins = self.lookup(str(wanted))
+        except NotFound:
+            return None
+        root = signed_root(wanted, pins)
+        if root is None:
+            return None
+        chunks = fetch_chunk_hashes(self.store, self.timeout, wanted, root)
+        if chunks is not None:
+            with self._transfer_lock:
+                self._chunk_lists[wanted] = chunks
+                while len(self._chunk_lists) > _KEPT_CHUNK_LISTS:
+                    self._chunk_lists.popitem(last=False)
+        return chunks
+
+    def open_ranges(self, digest: str) -> RangeReader | None:
+        """A reader of random ranges of a blob, each fetching only the chunks it covers, all
+        verified against the blob's chunk root (see `verified_chunks`); None when the blob must
+        be verified whole instead."""
+        from vault.client.ranges import RangeReader
+
+        chunks = self.verified_chunks(digest)
+        return None if chunks is None else RangeReader(self.store, self.timeout, chunks)
 
     def stat(self, digest: str) -> Stat:
         """The vault's description of a blob and the entries it lists as pinning it, neither
@@ -287,14 +372,23 @@ class VaultClient:
         *,
         meta: dict[str, str] | None = None,
         external: bool = False,
+        chunk_root: bool | None = None,
     ) -> ProvenEntry:
         """Append a pin and return it once its inclusion in a signed checkpoint is verified.
         The first pin of a client verifies the vault's current checkpoint before it asks (its
         key, and consistency with the last checkpoint trusted), so that a vault this client
-        does not trust gets no entry it would then refuse to believe."""
+        does not trust gets no entry it would then refuse to believe.
+
+        The pin records its first subject's chunk root (`chunk-root`, vault.client.ranges), so
+        that ranges of the blob can be verified alone: by default when this client put the
+        blob (of more than one chunk) and computed the root as it sent it; with
+        `chunk_root=True` also for a stored blob it did not put, whose whole bytes it then
+        reads and verifies to compute the root; never with `False`."""
         if not self._vouched:
             self.checkpoint()
         subjects = [digests] if isinstance(digests, str) else list(digests)
+        if chunk_root is not False:
+            meta = self._with_root(subjects, meta, external, compute=bool(chunk_root))
         request = pb.PinRequest(
             kind=kind, subjects=subjects, meta=meta or {}, external=external, author=self.author
         )
@@ -318,6 +412,27 @@ class VaultClient:
                 index=entry.index,
             )
         return self.prove(response.entry.index, response.entry.body)
+
+    def _with_root(
+        self, subjects: list[str], meta: dict[str, str] | None, external: bool, *, compute: bool
+    ) -> dict[str, str] | None:
+        """`meta` with the chunk root of the pin's first subject (vault.client.ranges), if this
+        client put that blob and computed it (or, with `compute`, from the blob's whole bytes,
+        verified against its digest), so that the blob's ranges can be verified alone; the
+        vault checks it against the blob before it appends the pin."""
+        from vault.client.ranges import CHUNK_ROOT, CHUNK_SIZE
+
+        if not subjects or external or (meta and CHUNK_ROOT in meta):
+            return meta
+        with self._transfer_lock:
+            root = self._put_roots.get(subjects[0])
+        if root is None and compute:
+            size, root = self._transfer.chunk_root_of(Digest.parse(subjects[0]))
+            if size <= CHUNK_SIZE:
+                root = None
+        if root is None:
+            return meta
+        return {**(meta or {}), CHUNK_ROOT: root.hex()}
 
     def prove(self, index: int, body: bytes) -> ProvenEntry:
         """Verify that `body` is entry `index` of the vault's ledger."""
@@ -680,6 +795,12 @@ class VaultClient:
                 if progress:
                     progress(auditor.report.entries, head)
         return auditor.finish(head)
+
+
+# Chunk roots of blobs put, and verified chunk lists of blobs read by range, that a client
+# keeps (64 bytes and, for a 4 GiB blob, 128 KiB each).
+_KEPT_ROOTS: Final = 4096
+_KEPT_CHUNK_LISTS: Final = 16
 
 
 def _witness_policy(keys: Sequence[str], required: int | None) -> WitnessPolicy | None:

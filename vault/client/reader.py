@@ -65,7 +65,8 @@ class BlobReader(io.RawIOBase):
     Each chunk is checked against its chunk hash before any of it is returned; on a whole-blob
     read, the digest of everything is checked too, and reading the end raises IntegrityError
     if it does not match. `check_chunks=False` is for callers that hand nothing on before the
-    end (a file that appears only once the whole digest matched)."""
+    end (a file that appears only once the whole digest matched); `prechecked=True` for an
+    answer whose every chunk the caller checked already against a verified chunk list."""
 
     def __init__(
         self,
@@ -74,13 +75,14 @@ class BlobReader(io.RawIOBase):
         *,
         check_chunks: bool = True,
         handed_off: int | None = None,
+        prechecked: bool = False,
     ) -> None:
         super().__init__()
         self._responses = responses
         # The read end of the pipe handed to the server, which writes each chunk into it
         # instead of sending its bytes; they are checked here as if received.
         self._handed_off = handed_off
-        header = _header(responses, requested)
+        header = answer_header(responses, requested)
         self.info = BlobInfo.from_wire(header.blob)
         self._start = header.offset
         self._end = header.offset + header.length
@@ -88,7 +90,9 @@ class BlobReader(io.RawIOBase):
         self._whole = header.offset == 0 and header.length == self.info.size
         if handed_off is not None and not self._whole:
             raise IntegrityError("the server answered a get into a handed-off file with a range")
-        self._check_chunks = check_chunks or not self._whole
+        # A range's chunks are checked as they come, unless the caller checked each already
+        # against a chunk list it verified (vault.client.ranges).
+        self._check_chunks = not prechecked and (check_chunks or not self._whole)
         self._hash = BackgroundHash(requested.algorithm, header.length) if self._whole else None
         self._piped = (
             None
@@ -177,7 +181,7 @@ class BlobReader(io.RawIOBase):
             self._buffer = memoryview(b"")
 
 
-def _header(responses: Iterator[pb.GetResponse], requested: Digest) -> pb.GetHeader:
+def answer_header(responses: Iterator[pb.GetResponse], requested: Digest) -> pb.GetHeader:
     """The header that starts the answer to a get, checked to name the blob asked for."""
     with rpc_errors():
         first = next(responses, None)
@@ -208,7 +212,7 @@ def read_chunk_hashes(call: Any, requested: Digest) -> ChunkHashes | None:
     """The chunk hashes of a whole blob from the answer to a Get that asked for them only;
     None (and the call cancelled) if the server answers with bytes instead: a server that
     lists no hashes."""
-    header = _header(call, requested)
+    header = answer_header(call, requested)
     info = BlobInfo.from_wire(header.blob)
     if header.offset != 0 or header.length != info.size or header.chunk_size <= 0:
         raise IntegrityError(

@@ -32,11 +32,14 @@ class BlobInfo:
 class PutResult:
     """What a put stored (checked to be the bytes sent) and whether the vault lacked it; for
     a direct put, the mirrors that held a verified copy when it returned (the others follow
-    from the vault's queue)."""
+    from the vault's queue); and the chunk root of the bytes sent, computed by the client as
+    it sent them (vault.client.ranges), which a pin of the blob records (None if the client
+    did not compute it)."""
 
     blob: BlobInfo
     created: bool
     mirrors: tuple[str, ...] = ()
+    chunk_root: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from vault.client.partial import (
     remove_if_ours,
     settle,
 )
+from vault.client.ranges import ChunkRootHasher, VerifiedChunks, range_answer
 from vault.client.reader import BackgroundHash, BlobReader, read_chunk_hashes
 from vault.client.results import BlobInfo, PutResult
 from vault.digest import Digest
@@ -93,12 +94,15 @@ class Transfer:
         elif handoff:
             raise InvalidArgument("only a file named by its path can be handed off")
         local = blake3.blake3()
+        # The chunk root of what is sent, which a pin of the blob records (vault.client.ranges).
+        chunked = ChunkRootHasher()
 
         def requests(stream: IO[bytes], gate: _CommitGate) -> Iterator[pb.PutRequest]:
             yield pb.PutRequest(header=pb.PutHeader(expected_digest=expected or ""))
             size = 0
             while data := stream.read(PUT_CHUNK):
                 local.update(data)
+                chunked.update(data)
                 size += len(data)
                 if progress:
                     progress(len(data))
@@ -110,7 +114,7 @@ class Transfer:
 
         with _open_source(source) as stream:
             response = self._call(self._store.Put, lambda gate: requests(stream, gate))
-        return _stored(response, local.digest())
+        return _stored(response, local.digest(), chunked.root())
 
     def _call(self, method: Any, requests: Callable[[_CommitGate], Iterator[Any]]) -> Any:
         """A client-streaming call that an interrupt (Ctrl-C, or SIGTERM raised as one) in the
@@ -171,7 +175,7 @@ class Transfer:
             os.close(fd)
         if progress:
             progress(size)
-        return _stored(response, sent)
+        return _stored(response, sent, local.chunk_root())
 
     def _hand_off(self, fd: int, mode: Mode, *, required: bool) -> str | None:
         """A ticket for `fd` from the server's handoff socket, or None (or, if `required`,
@@ -271,7 +275,13 @@ class Transfer:
         return results
 
     def open(
-        self, digest: str, *, offset: int = 0, length: int | None = None, check_chunks: bool = True
+        self,
+        digest: str,
+        *,
+        offset: int = 0,
+        length: int | None = None,
+        check_chunks: bool = True,
+        chunks: VerifiedChunks | None = None,
     ) -> BlobReader:
         wanted = Digest.parse(digest)
         if offset == 0 and length is None:
@@ -281,8 +291,13 @@ class Transfer:
                     wanted,
                     check_chunks=check_chunks,
                 )
-        # A range is checked by the server's chunk list only, which nothing signed binds to the
-        # digest: the whole blob is fetched into a private spool file and verified first.
+        if chunks is not None:
+            # Bound to the digest by a signed pin's chunk root: only the range is fetched.
+            answer = range_answer(self._store, self._timeout, chunks, offset, length)
+            return BlobReader(answer, wanted, prechecked=True)
+        # Without a chunk root, a range is checked by the server's chunk list only, which
+        # nothing signed binds to the digest: the whole blob is fetched into a private spool
+        # file and verified first.
         spool = _anonymous_file(spool_folder())
         try:
             info, start, count = self._fetch(wanted, spool, offset=offset, length=length)
@@ -299,15 +314,23 @@ class Transfer:
         offset: int = 0,
         length: int | None = None,
         spool: str | os.PathLike[str] | None = None,
+        chunks: VerifiedChunks | None = None,
     ) -> BlobInfo:
         """Write a verified blob (or range) to the descriptor `out` (standard output), which
         cannot take back what it was given: the whole blob is first fetched into an unlinked
         file in `spool` (default: the user's cache folder) and its digest checked, and only
-        then is any of it copied to `out`."""
+        then is any of it copied to `out`. A range of a blob whose `chunks` are verified is
+        fetched alone, each chunk checked as it comes, and spooled until all of it was."""
         wanted = Digest.parse(digest)
         fd = _anonymous_file(Path(spool) if spool is not None else spool_folder())
         try:
-            info, start, count = self._fetch(wanted, fd, offset=offset, length=length)
+            if chunks is not None and (offset or length is not None):
+                reader = self.open(digest, offset=offset, length=length, chunks=chunks)
+                for piece in reader.chunks():
+                    write_all(fd, piece)
+                info, start, count = reader.info, 0, os.lseek(fd, 0, os.SEEK_CUR)
+            else:
+                info, start, count = self._fetch(wanted, fd, offset=offset, length=length)
             _copy_out(fd, out, start, count)
         finally:
             os.close(fd)
@@ -328,6 +351,22 @@ class Transfer:
         # chunks() ended, so the whole digest matched.
         return Digest.sha256(sha.digest())
 
+    def chunk_root_of(self, digest: Digest) -> tuple[int, bytes]:
+        """The size and chunk root of a stored blob, from its bytes: fetched, hashed chunk by
+        chunk, and verified against `digest` itself before the root is returned (the server's
+        chunk list is not taken on its word)."""
+        chunked = ChunkRootHasher()
+        with rpc_errors():
+            reader = BlobReader(
+                self._store.Get(pb.GetRequest(digest=str(digest)), timeout=self._timeout),
+                digest,
+                check_chunks=False,
+            )
+        for piece in reader.chunks():
+            chunked.update(piece)
+        # chunks() ended, so the whole digest matched.
+        return chunked.size, chunked.root()
+
     def get(
         self,
         digest: str,
@@ -337,6 +376,7 @@ class Transfer:
         length: int | None = None,
         progress: Callable[[int], None] | None = None,
         handoff: bool | None = None,
+        chunks: VerifiedChunks | None = None,
     ) -> BlobInfo:
         target = Path(path)
         if target.is_dir():
@@ -352,6 +392,13 @@ class Transfer:
         def fill() -> BlobInfo:
             if whole:
                 return self._fetch_resuming(wanted, fd, handoff=handoff, progress=progress)
+            if chunks is not None:
+                reader = self.open(digest, offset=offset, length=length, chunks=chunks)
+                for piece in reader.chunks():
+                    write_all(fd, piece)
+                    if progress:
+                        progress(len(piece))
+                return reader.info
             # The range is verified only as part of the whole blob (see `open`), spooled
             # beside the target, on its file system.
             spool = _anonymous_file(target.parent)
@@ -578,9 +625,10 @@ def _stored_info(blob: pb.BlobInfo, expected: Digest | None) -> BlobInfo:
     return BlobInfo(sha256, blake3_, blob.size, blob.stored_at)
 
 
-def _stored(response: pb.PutResponse, sent_blake3: bytes) -> PutResult:
-    """The answer to a put, once checked to name what the client sent."""
-    result = PutResult(BlobInfo.from_wire(response.blob), response.created)
+def _stored(response: pb.PutResponse, sent_blake3: bytes, chunk_root: bytes) -> PutResult:
+    """The answer to a put, once checked to name what the client sent (whose chunk root the
+    client computed as it sent it)."""
+    result = PutResult(BlobInfo.from_wire(response.blob), response.created, chunk_root=chunk_root)
     if result.blob.blake3.raw != sent_blake3:
         raise IntegrityError(
             f"the vault stored {result.blob.blake3} but the client sent blake3:{sent_blake3.hex()}"
@@ -589,12 +637,14 @@ def _stored(response: pb.PutResponse, sent_blake3: bytes) -> PutResult:
 
 
 class _FileHash:
-    """The BLAKE3 of a file's first `size` bytes, computed on a thread of its own."""
+    """The BLAKE3 of a file's first `size` bytes, and their chunk root, computed on a thread of
+    its own."""
 
     def __init__(self, fd: int, size: int) -> None:
         self._fd = fd
         self._size = size
         self._hash = blake3.blake3()
+        self._chunked = ChunkRootHasher()
         self._error: OSError | None = None
         self._thread = threading.Thread(target=self._run, name="pinvault-hash", daemon=True)
         self._thread.start()
@@ -607,6 +657,7 @@ class _FileHash:
                 if not piece:
                     break
                 self._hash.update(piece)
+                self._chunked.update(piece)
                 offset += len(piece)
         except OSError as exc:
             self._error = exc
@@ -616,6 +667,10 @@ class _FileHash:
         if self._error is not None:
             raise InvalidArgument(f"cannot read the file being put: {self._error.strerror}")
         return bytes(self._hash.digest())
+
+    def chunk_root(self) -> bytes:
+        self.digest()
+        return self._chunked.root()
 
 
 @contextlib.contextmanager

@@ -696,3 +696,13 @@ def _levels(nodes: bytes) -> list[bytes]:
             )
         )
     return levels
+
+
+def items_root(items: Iterable[bytes]) -> bytes:
+    """The RFC 9162 Merkle tree hash MTH(D) of the data items `items`, in order, each hashed
+    as a leaf (SHA-256(0x00 || item)) and the leaves joined exactly as the ledger's entries
+    are. Over a blob's chunk hashes it is the blob's chunk root, which a pin records so that
+    one range can be verified against the signed ledger without the rest of the blob."""
+    tree = CompactRange()
+    tree.extend(_sha256(_LEAF_PREFIX + item).digest() for item in items)
+    return tree.root()

@@ -9,9 +9,12 @@ verified by the client before a tool sees it.
 
 A name is resolved through `resolve_dataset` (its pin proven in the signed ledger); a dataset's
 folders, files, sizes and digests come from its manifest, fetched verified against its digest.
-Reading any part of a file fetches its whole blob once, through `VaultClient.get`, into a private
-spool file that is used only once its digest matched (and, for a dataset's file, its size the
-manifest's). The server and credentials come from the client's configuration (`[client]` of
+A file whose blob a verified pin records the chunk root of (vault.client.ranges) is read by
+range: each read fetches only the chunks it covers, each checked against the chunk list that
+root vouches for, so a Parquet footer or one tensor of a safetensors file costs what it reads.
+Any other file's first read fetches its whole blob once, through `VaultClient.get`, into a
+private spool file that is used only once its digest matched (and, for a dataset's file, its
+size the manifest's). The server and credentials come from the client's configuration (`[client]` of
 PINVAULT_CONFIG, then PINVAULT_CLIENT_*), as for the `vault` command. Needs the `fsspec` extra,
 which registers the `vault` protocol."""
 
@@ -28,6 +31,7 @@ from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from vault import config
 from vault.client import VaultClient, open_client
+from vault.client.ranges import RangeReader
 from vault.client.transfer import spool_folder
 from vault.digest import Digest
 from vault.errors import IntegrityError, InvalidArgument, NotFound, PermissionDenied
@@ -297,22 +301,38 @@ def _file(path: str, entry: FileEntry) -> dict[str, Any]:
 
 
 class VaultFile(AbstractBufferedFile):  # type: ignore[misc]
-    """A blob opened for reading. The first read fetches the whole blob through the client
-    into a private spool file, used only once its digest matched and its size is the one the
-    file was opened with; every read after is served from it."""
+    """A blob opened for reading. If a verified pin records the blob's chunk root, each read
+    fetches only the chunks it covers, verified alone (the reader keeps the last few); else
+    the first read fetches the whole blob through the client into a private spool file, used
+    only once its digest matched and its size is the one the file was opened with, and every
+    read after is served from it."""
 
     def __init__(
         self, fs: VaultFileSystem, path: str, found: dict[str, Any], block_size: int | None
     ) -> None:
         self._digest = str(found["sha256"])
         self._spool: int | None = None
+        self._ranges: RangeReader | None = None
+        self._looked_up = False
         self._client = fs.client
-        # The spool is local and read at any offset: no cache in front of it.
+        # The spool is local and read at any offset, and the range reader keeps the chunks it
+        # read last: no cache in front of either.
         super().__init__(
             fs, path, "rb", block_size=block_size, cache_type="none", size=int(found["size"])
         )
 
     def _fetch_range(self, start: int, end: int) -> bytes:
+        if not self._looked_up:
+            self._looked_up = True
+            self._ranges = self._client.open_ranges(self._digest)
+            if self._ranges is not None and self._ranges.size != self.size:
+                raise IntegrityError(
+                    f"vault://{self.path} is {self.size} bytes, "
+                    f"its blob {self._digest} is {self._ranges.size}"
+                )
+        if self._ranges is not None:
+            start, end = min(start, self.size), min(max(end, start), self.size)
+            return self._ranges.read(start, end - start)
         if self._spool is None:
             self._spool = self._fetch()
         return os.pread(self._spool, max(end - start, 0), start)

@@ -18,17 +18,23 @@ from vault.errors import (
 )
 from vault.ledger.entry import time_bound
 from vault.ledger.log import Ledger
+from vault.ledger.merkle import items_root
 from vault.ledger.records import LogFilter, PinSpec, SignedCheckpoint, StoredEntry
 from vault.server.admission import ADMITTED, TEAM, Runs
 from vault.server.auth import Identity, caller
 from vault.server.content import Content, StoredBlob
 from vault.server.edge import Service, streaming, unary, unary_async
 from vault.server.witnessing import Witnessing
+from vault.store.chunks import CHUNK_SIZE
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
 MAX_LOG_PAGE: Final = 1000
 MAX_LOOKUP_BATCH: Final = 100_000
+# The metadata key of a pin that records its first subject's chunk root: the RFC 9162 Merkle
+# tree hash over the BLAKE3 of each chunk, in lowercase hex (vault.client.ranges reads it).
+CHUNK_ROOT: Final = "chunk-root"
+_ROOT_TEXT: Final = re.compile(r"[0-9a-f]{64}")
 
 
 # Well-formed sha256 digests, one a line: a batch of them is checked in one match.
@@ -91,7 +97,9 @@ class LedgerService(Service, rpc.LedgerServicer):
                 "admission writes (vault admit, vault run, the scheduler): "
                 f"{who.name} pinned one"
             )
-        subjects, runs = [], []
+        subjects: list[str] = []
+        runs: list[str] = []
+        first: StoredBlob | None = None
         for subject in spec.subjects:
             found = (
                 stored.get(subject)
@@ -104,6 +112,8 @@ class LedgerService(Service, rpc.LedgerServicer):
                     "content kept elsewhere"
                 )
             sha256 = subject if found is None else str(found.info.sha256)
+            if not subjects:
+                first = found
             # A stored blob is pinned by its sha256; external content keeps the name given.
             subjects.append(subject if spec.external else sha256)
             # Only a stored run inputs document's digest can be a run id.
@@ -111,6 +121,9 @@ class LedgerService(Service, rpc.LedgerServicer):
                 runs.append(sha256)
         if len(set(subjects)) != len(subjects):
             raise InvalidArgument("the same blob is named twice (by sha256 and blake3)")
+        root = spec.meta.get(CHUNK_ROOT)
+        if root is not None:
+            self._check_chunk_root(spec.subjects[0], None if spec.external else first, root)
         # A pin that names a run (by its run id, or an alias of it) is written for the run's
         # team, which the vault records itself from the caller's credential; anyone else is
         # refused (Runs.writer_team).
@@ -119,6 +132,34 @@ class LedgerService(Service, rpc.LedgerServicer):
             return spec  # a pin of batches' usual kind, as checked: no copy made
         meta = {**spec.meta, TEAM: team} if team else spec.meta
         return PinSpec(spec.kind, tuple(subjects), spec.author, meta, spec.external)
+
+    def _check_chunk_root(self, subject: str, blob: StoredBlob | None, root: str) -> None:
+        """Refuse a pin whose `chunk-root` is not the root of its first subject's chunk list:
+        once appended, it binds the blob's chunk hashes to its digest for every reader of a
+        range (vault.client.ranges), so only the root of the blob as stored may be. One chunk
+        list read a pin (a pin records its first subject's root only)."""
+        if blob is None:
+            raise InvalidArgument(
+                f"a {CHUNK_ROOT} names the chunks of a stored blob, and {subject} is "
+                "external content"
+            )
+        if not _ROOT_TEXT.fullmatch(root):
+            raise InvalidArgument(
+                f"{CHUNK_ROOT} {root[:80]!r} of {blob.info.sha256}: expected 64 lowercase hex "
+                "digits"
+            )
+        try:
+            chunks = self.content.store.chunk_list(blob.info.sha256)
+        except NotFound:
+            raise FailedPrecondition(
+                f"blob {blob.info.sha256} is not in the store: put it first"
+            ) from None
+        found = items_root(chunks.hashes).hex() if chunks.chunk_size == CHUNK_SIZE else None
+        if found != root:
+            raise InvalidArgument(
+                f"{CHUNK_ROOT} {root} is not the chunk root of {blob.info.sha256}, which is "
+                f"{found or f'unknown (its chunks are of {chunks.chunk_size} bytes)'}"
+            )
 
     def _specs(self, pins: Sequence[pb.PinRequest]) -> list[PinSpec]:
         who = caller()
