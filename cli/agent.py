@@ -21,6 +21,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
 from cli.output import error_line
+from cli.run import image_external
 from vault.errors import FailedPrecondition, InvalidArgument, VaultError
 
 # The client (gRPC) loads when the agent starts, not for `vault admission-agent --help`.
@@ -104,8 +105,17 @@ class Agent:
 
     def _admit(self, fields: dict[str, str]) -> dict[str, Any]:
         admission = self._vault.call(lambda client: client.admit(**fields))
+        external = self._vault.call(lambda client: image_external(client, admission))
         log.info("admitted run %s for team %s", admission.run_id, admission.team)
-        return {"admitted": True, "run_id": admission.run_id, "seed": str(admission.seed)}
+        return {
+            "admitted": True,
+            "run_id": admission.run_id,
+            "seed": str(admission.seed),
+            # What was checked of the image, which the plugin tells the user; the count as a
+            # string of digits, as the seed is, which an earlier job_submit.lua also reads.
+            "image_blobs": str(admission.image_blobs),
+            "image_external": external,
+        }
 
 
 def _parse(line: bytes) -> dict[str, str]:

@@ -4,7 +4,9 @@ pinned in the vault, or whose dataset annotation names no pinned dataset manifes
 
 It only reads: the API server calls a webhook on dry runs and retries too (`sideEffects: None`),
 so it checks the pins as `vault run` does before it submits, and appends nothing; the run is
-admitted (appended) by `vault admit`, as before (deploy/kubernetes/README.md)."""
+admitted (appended) by `vault admit`, as before (deploy/kubernetes/README.md). What it checked of
+an allowed pod's images goes into the review's audit annotations, the one place Kubernetes keeps
+a validating webhook's word on an allowed request."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
 from cli.output import error_line
+from cli.run import held_words
 from vault.errors import InvalidArgument, Unavailable, VaultError
 
 # The client (gRPC), the run library and the HTTP edge load when the webhook starts, not for
@@ -28,9 +31,14 @@ if TYPE_CHECKING:
     from cli.warm import Connect, WarmClient
     from vault.config import Config
     from vault.http_edge import Limits, Request, Response
+    from vault.runs.pins import Found
 
 # The annotation that names a pod's dataset manifest (a Job's: its pod template's).
 DATASET_ANNOTATION: Final = "pinvault.dev/dataset"
+# The audit annotations of an allowed review: what was checked of its images. The API server
+# prefixes each key with the webhook's name (pins.pinvault.dev/image-held).
+IMAGE_HELD: Final = "image-held"
+IMAGE_EXTERNAL: Final = "image-external"
 PATH: Final = "/validate"
 HEALTH_PATH: Final = "/healthz"
 # An AdmissionReview holds the object and, on UPDATE, its old version; etcd keeps an object
@@ -93,14 +101,15 @@ class Webhook:
     def __init__(self, vault: WarmClient) -> None:
         self._vault = vault
         self._lock = threading.Lock()
-        # (kind, digest) -> when it was last found pinned and intact.
-        self._checked: dict[tuple[str, str], float] = {}
+        # (kind, digest) -> when it was last found pinned and intact, and what was found.
+        self._checked: dict[tuple[str, str], tuple[float, Found]] = {}
 
     def review(self, body: bytes) -> dict[str, Any]:
         """The AdmissionReview answering `body`; InvalidArgument if `body` is not one."""
         request = _request(body)
+        checked: dict[str, str] = {}
         try:
-            refusal = self.refusal(request)
+            refusal = self.refusal(request, checked)
         except InvalidArgument:
             raise
         except Exception as exc:
@@ -111,14 +120,17 @@ class Webhook:
         if refusal is not None:
             log.info("refused %s: %s", _described(request), refusal)
             response["status"] = {"code": 403, "reason": "Forbidden", "message": refusal}
+        elif checked:
+            response["auditAnnotations"] = checked
         return {
             "apiVersion": "admission.k8s.io/v1",
             "kind": "AdmissionReview",
             "response": response,
         }
 
-    def refusal(self, request: dict[str, Any]) -> str | None:
-        """Why the object may not be created or changed so, or None."""
+    def refusal(self, request: dict[str, Any], checked: dict[str, str]) -> str | None:
+        """Why the object may not be created or changed so, or None; what was checked of its
+        images goes into `checked`, as audit annotations."""
         if request.get("operation") not in ("CREATE", "UPDATE"):
             return None
         pod = _pod_of(request, "object")
@@ -152,35 +164,60 @@ class Webhook:
             )
         if problems:
             return "; ".join(problems)
+        found: dict[str, Found | None] = {}
         try:
             for digest, who in images.items():
-                if (reason := self._check("image", digest)) is not None:
+                reason, found[digest] = self._check("image", digest)
+                if reason is not None:
                     problems.append(f"{who}: {reason}")
-            if (reason := self._check("dataset", dataset)) is not None:
+            reason, _ = self._check("dataset", dataset)
+            if reason is not None:
                 problems.append(f"annotation {DATASET_ANNOTATION}: {reason}")
         except Unavailable as exc:
             return f"the vault cannot be asked: {error_line(exc)}"
+        checked.update(_image_annotations(found))
         return "; ".join(problems) or None
 
-    def _check(self, kind: str, digest: str) -> str | None:
+    def _check(self, kind: str, digest: str) -> tuple[str | None, Found | None]:
+        """Why the input is refused (or None), and what was found of it."""
         key = (kind, digest)
         with self._lock:
             checked = self._checked.get(key)
-        if checked is not None and time.monotonic() - checked < CHECKED_SECONDS:
-            return None
+        if checked is not None and time.monotonic() - checked[0] < CHECKED_SECONDS:
+            return None, checked[1]
         try:
             from vault.runs.pins import check_input
 
-            self._vault.call(lambda client: check_input(client, kind, digest))
+            found = self._vault.call(lambda client: check_input(client, kind, digest))
         except Unavailable:
             raise
         except VaultError as exc:
-            return error_line(exc)
+            return error_line(exc), None
         with self._lock:
             if len(self._checked) >= _MAX_CHECKED:
                 self._checked.clear()
-            self._checked[key] = time.monotonic()
-        return None
+            self._checked[key] = (time.monotonic(), found)
+        return None, found
+
+
+def _image_annotations(found: dict[str, Found | None]) -> dict[str, str]:
+    """What was checked of a pod's images, as audit annotations: one image is named, several
+    are counted (an annotation stays one short line however many containers a pod has)."""
+    held = {d: f for d, f in found.items() if f is not None and not f.external}
+    external = [d for d, f in found.items() if f is not None and f.external]
+    annotations = {}
+    if len(held) == 1:
+        ((digest, one),) = held.items()
+        annotations[IMAGE_HELD] = f"{digest}: {held_words(one.image_blobs)}"
+    elif held:
+        # An image held as one file is that one blob.
+        blobs = sum(f.image_blobs or 1 for f in held.values())
+        annotations[IMAGE_HELD] = f"{len(held)} images: {blobs} blobs, each verified when stored"
+    if len(external) == 1:
+        annotations[IMAGE_EXTERNAL] = f"{external[0]}: recorded, not fetched"
+    elif external:
+        annotations[IMAGE_EXTERNAL] = f"{len(external)} images: recorded, not fetched"
+    return annotations
 
 
 def _request(body: bytes) -> dict[str, Any]:

@@ -76,7 +76,10 @@ def _admit_arguments(p: argparse.ArgumentParser, *, connect: Connect) -> None:
     output = p.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true")
     output.add_argument(
-        "--porcelain", action="store_true", help="one line: run_id=DIGEST seed=DECIMAL"
+        "--porcelain",
+        action="store_true",
+        help="two lines: run_id=DIGEST seed=DECIMAL, then image_blobs=COUNT "
+        "image_external=true|false",
     )
     p.set_defaults(func=partial(_admit, connect=connect))
 
@@ -157,10 +160,14 @@ def _admit(args: argparse.Namespace, config: Config, *, connect: Connect) -> int
             run_id=args.run_id,
             replay_of=args.replay_of,
         )
+        external = image_external(client, admission)
     if args.porcelain:
+        # What was checked of the image on a line of its own: a plugin that reads the first
+        # line alone (an earlier job_submit.lua) still understands the answer.
         print(f"run_id={admission.run_id} seed={admission.seed}")
+        print(f"image_blobs={admission.image_blobs} image_external={str(external).lower()}")
     elif args.json:
-        print_json(_admission_dict(admission))
+        print_json(_admission_dict(admission, external))
     else:
         state = "new run" if admission.new else "admitted before: the same experiment"
         print(f"admitted  run {admission.run_id}  ({state})")
@@ -168,7 +175,36 @@ def _admit(args: argparse.Namespace, config: Config, *, connect: Connect) -> int
     return 0
 
 
-def _admission_dict(admission: Admission) -> dict[str, Any]:
+def image_external(client: VaultClient, admission: Admission) -> bool:
+    """Whether the admitted job's image is pinned only as external content: recorded, not held,
+    so that nothing of it was checked. The run's pin, which the client verified, is external
+    only if some input was pinned only as external content when the run was first admitted, and
+    pins are never taken back: only then is the image's own pin looked up (and proved)."""
+    from vault.runs.pins import require_pin
+
+    if admission.image_blobs or not admission.entry.entry.external:
+        return False
+    return all(p.entry.external for p in require_pin(client, "image", admission.inputs.image))
+
+
+def image_checked(image_blobs: int, external: bool) -> str:
+    """What admission checked of a job's image, in one line (the Slurm plugin says the same)."""
+    if external:
+        return "image recorded, not fetched (external)"
+    return f"image held: {held_words(image_blobs)}"
+
+
+def held_words(image_blobs: int) -> str:
+    """An image found held: the blobs its OCI manifest or index names, counted (the vault
+    verified each as it stored it, and checks every read), or its one file."""
+    if image_blobs == 1:
+        return "1 blob, verified when stored"
+    if image_blobs:
+        return f"{image_blobs} blobs, each verified when stored"
+    return "one file, verified when stored"
+
+
+def _admission_dict(admission: Admission, image_external: bool) -> dict[str, Any]:
     return {
         "run_id": admission.run_id,
         "seed": str(admission.seed),
@@ -179,6 +215,8 @@ def _admission_dict(admission: Admission) -> dict[str, Any]:
         "lease": admission.lease,
         # The blobs of the image found held (0: external, or not an OCI image).
         "image_blobs": admission.image_blobs,
+        # Pinned only as external content: recorded, not fetched, so nothing of it checked.
+        "image_external": image_external,
     }
 
 
@@ -380,9 +418,7 @@ def _run(
             team=args.team,
         )
         if admission.image_blobs:
-            blobs = admission.image_blobs
-            named = f"{blobs} {'blob' if blobs == 1 else 'blobs'}"
-            step("✓", f"image held: {named}, each verified when stored", _short(args.image))
+            step("✓", image_checked(admission.image_blobs, False), _short(args.image))
         created = "created" if admission.new else "found (same experiment)"
         step("✓", f"pin vault entry {created}", f"entry {admission.entry.entry.index}")
         extra = {ENV_SCRIPT: script_digest} if script_digest else {}
@@ -395,7 +431,7 @@ def _run(
     if args.json:
         print_json(
             {
-                **_admission_dict(admission),
+                **_admission_dict(admission, checked["image"]["external"]),
                 "job": job,
                 "pins": checked,
                 "dataset_name": named if named != args.dataset else "",
@@ -648,6 +684,7 @@ def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
             replay_of=manifest_digest,
         )
         step("✓", "inputs pinned and intact", f"replay slot taken for team {admission.team}")
+        external = image_external(client, admission)
         step("→", "batch script", script_line)
         env = job_environment(
             config,
@@ -667,7 +704,7 @@ def _replay(args: argparse.Namespace, config: Config, *, connect: Connect) -> in
     if args.json:
         print_json(
             {
-                **_admission_dict(admission),
+                **_admission_dict(admission, external),
                 "job": job,
                 "replay_of": manifest_digest,
                 "sealed_by": sealed_by,

@@ -11,8 +11,9 @@ The decision is the vault's: the plugin asks the admission agent (`vault admissi
 warm client beside slurmctld) on its Unix socket when pinvault.conf names one and lua-socket is
 installed, and otherwise runs `vault admit --porcelain`; then it either
   - accepts the job, writes "pinvault run=<run id> seed=<seed>" into its AdminComment (which
-    only an administrator can change) and sets PINVAULT_RUN_ID and PINVAULT_SEED in the job's
-    environment, or
+    only an administrator can change), sets PINVAULT_RUN_ID and PINVAULT_SEED in the job's
+    environment and tells the user, on one line, the run and what the vault checked of the
+    image ("image held: 7 blobs, each verified when stored"), or
   - refuses it, showing the user the vault's one-line reason. Anything else that goes wrong
     (no vault, no agent, no answer in time, an answer not understood, no configuration)
     refuses too: the plugin fails closed.
@@ -94,7 +95,26 @@ local function refuse(reason)
 	return slurm.ESLURM_ACCESS_DENIED
 end
 
--- Runs `vault admit`; returns run id and seed, or nil and the reason to show the user.
+-- What the vault checked of the job's image, in the words `vault run` uses, from the count of
+-- its blobs found held (a string of digits) and whether it is external; nil when the answer does
+-- not say (a vault older than this plugin) or says it in a form not understood.
+local function image_checked(count, external)
+	local blobs = type(count) == "string" and count:match("^%d+$") and #count <= 15
+		and tonumber(count) or nil
+	if external == true then
+		return "image recorded, not fetched (external)"
+	elseif external ~= false or blobs == nil then
+		return nil
+	elseif blobs == 1 then
+		return "image held: 1 blob, verified when stored"
+	elseif blobs > 1 then
+		return "image held: " .. blobs .. " blobs, each verified when stored"
+	end
+	return "image held: one file, verified when stored"
+end
+
+-- Runs `vault admit`; returns what it admitted ({run_id, seed, image}), or nil and the reason
+-- to show the user.
 local function admit_by_command(conf, pins)
 	-- `env -i`: nothing of slurmctld's own environment (a PINVAULT_* variable, a HOME with
 	-- no trust state) may change which vault is asked or how it is trusted.
@@ -135,11 +155,22 @@ local function admit_by_command(conf, pins)
 	end
 	local status = tonumber((table.remove(lines) or ""):match("^exit=(%d+)$"))
 	if status == 0 then
+		-- The run and seed on one line, what was checked of the image on the next (a vault
+		-- older than this plugin prints the first alone).
+		local admitted, blobs, external
 		for _, line in ipairs(lines) do
 			local run_id, seed = line:match("^run_id=(sha256:%x+) seed=(%d+)$")
-			if run_id then
-				return run_id, seed
+			if run_id and not admitted then
+				admitted = { run_id = run_id, seed = seed }
 			end
+			local count, word = line:match("^image_blobs=(%d+) image_external=(%a+)$")
+			if count then
+				blobs, external = count, ({ ["true"] = true, ["false"] = false })[word]
+			end
+		end
+		if admitted then
+			admitted.image = image_checked(blobs, external)
+			return admitted
 		end
 		return nil, "the vault admitted the job but its answer was not understood: "
 			.. table.concat(lines, " | ")
@@ -308,7 +339,8 @@ local function decode_answer(text)
 	end
 end
 
--- Asks the admission agent; returns run id and seed, or nil and the reason to show the user.
+-- Asks the admission agent; returns what it admitted ({run_id, seed, image}), or nil and the
+-- reason to show the user.
 -- The whole exchange shares one deadline, as the vault command's does.
 local function admit_by_agent(conf, pins, unix)
 	local deadline = socket_core.gettime() + tonumber(conf.timeout)
@@ -349,7 +381,8 @@ local function admit_by_agent(conf, pins, unix)
 	if answer and answer.admitted == true and type(answer.run_id) == "string"
 		and type(answer.seed) == "string" and answer.run_id:match("^sha256:" .. string.rep("%x", 64) .. "$")
 		and answer.seed:match("^%d+$") then
-		return answer.run_id, answer.seed
+		return { run_id = answer.run_id, seed = answer.seed,
+			image = image_checked(answer.image_blobs, answer.image_external) }
 	end
 	if answer and answer.admitted == false and type(answer.reason) == "string"
 		and answer.reason:match("%S") then
@@ -404,18 +437,25 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
 	if not conf then
 		return refuse("admission is misconfigured on the controller: " .. err)
 	end
-	local run_id, seed_or_reason = admit(conf, pins)
-	if not run_id then
-		return refuse(seed_or_reason)
+	local admitted, reason = admit(conf, pins)
+	if not admitted then
+		return refuse(reason)
 	end
-	local record = "pinvault run=" .. run_id .. " seed=" .. seed_or_reason
+	local run_id = admitted.run_id
+	local record = "pinvault run=" .. run_id .. " seed=" .. admitted.seed
 	if job_desc.admin_comment and job_desc.admin_comment ~= "" then
 		record = record .. "; " .. job_desc.admin_comment
 	end
 	job_desc.admin_comment = record
 	-- In 22.05 the environment table writes through to the job's environment.
 	job_desc.environment.PINVAULT_RUN_ID = run_id
-	job_desc.environment.PINVAULT_SEED = seed_or_reason
+	job_desc.environment.PINVAULT_SEED = admitted.seed
+	-- One line on sbatch's standard error: what the vault checked, besides that it admitted.
+	local told = "pinvault: admitted as run " .. run_id
+	if admitted.image then
+		told = told .. "; " .. admitted.image
+	end
+	slurm.log_user("%s", told)
 	slurm.log_info("pinvault: job of %s admitted as run %s", pins.team, run_id)
 	return slurm.SUCCESS
 end

@@ -323,11 +323,14 @@ def test_an_expired_replay_gives_its_slot_back(start_vault: StartVault) -> None:
 # -- the command ----------------------------------------------------------------------------
 
 
-def test_vault_admit_prints_one_line_for_a_scheduler(lab: Lab) -> None:
+def test_vault_admit_prints_its_run_on_one_line_for_a_scheduler(lab: Lab) -> None:
     args = ["--image", lab.image, "--dataset", lab.dataset, "--seed", "0xC0FFEE"]
     run = lab.server.run("admit", *args, "--team", "vision", "--porcelain").ok()
     expected = run.stdout.split()[0].removeprefix("run_id=")
-    assert run.stdout == f"run_id={expected} seed={0xC0FFEE}\n"
+    # The run and seed alone on the first line, which is all an earlier plugin reads.
+    assert run.stdout == (
+        f"run_id={expected} seed={0xC0FFEE}\nimage_blobs=0 image_external=false\n"
+    )
     # The vault's nonce is in the run id: the bare inputs' digest is not it.
     assert expected != RunInputs(lab.image, lab.dataset, 0xC0FFEE).run_id
 

@@ -26,6 +26,8 @@ from tests.test_slurm import short_dir
 from vault.ledger.runid import RunInputs
 
 SEED = "0xC0FFEE"
+# What the agent says it checked of the image of Pinned, one file held.
+ONE_FILE = {"image_blobs": "0", "image_external": False}
 
 
 class Pinned:
@@ -81,7 +83,7 @@ def test_an_admission_answers_the_run_id_and_seed_the_vault_recorded(
 ) -> None:
     answer = agent.ask(pinned.request(team="vision"))
     run_id = answer["run_id"]
-    assert answer == {"admitted": True, "run_id": run_id, "seed": "12648430"}
+    assert answer == {"admitted": True, "run_id": run_id, "seed": "12648430", **ONE_FILE}
     bare = RunInputs.checked(image=pinned.image, dataset=pinned.dataset, seed=SEED)
     assert run_id != bare.run_id  # the vault's nonce is in it
     # The same answer `vault admit` gives the same team, and the run entry the vault recorded.
@@ -93,7 +95,9 @@ def test_an_admission_answers_the_run_id_and_seed_the_vault_recorded(
         "--team=vision",
         "--porcelain",
     )
-    assert admitted.ok().stdout == f"run_id={run_id} seed=12648430\n"
+    assert admitted.ok().stdout == (
+        f"run_id={run_id} seed=12648430\nimage_blobs=0 image_external=false\n"
+    )
     runs = vault.run("lookup", run_id, "--json").ok().json()
     run = next(e for e in runs if e["kind"] == "run")
     assert run["meta"]["team"] == "vision" and run["meta"]["seed"] == "12648430"
@@ -110,7 +114,7 @@ def test_the_config_and_run_id_are_passed_on(
     first = agent.ask(pinned.request(seed="99"))
     run_id = first["run_id"]
     answer = agent.ask(pinned.request(seed="99", run_id=run_id))
-    assert answer == {"admitted": True, "run_id": run_id, "seed": "99"}
+    assert answer == {"admitted": True, "run_id": run_id, "seed": "99", **ONE_FILE}
     # A run id computed from the inputs alone names no admitted run: the vault chose a nonce.
     guessed = RunInputs.checked(image=pinned.image, dataset=pinned.dataset, seed=99).run_id
     refused = agent.ask(pinned.request(seed="99", run_id=guessed))
@@ -237,7 +241,7 @@ def test_concurrent_requests_each_get_their_own_answer(
     }
     for seed in seeds:
         run_id = answers[seed]["run_id"]
-        assert answers[seed] == {"admitted": True, "run_id": run_id, "seed": seed}
+        assert answers[seed] == {"admitted": True, "run_id": run_id, "seed": seed, **ONE_FILE}
         assert runs[run_id]["meta"]["team"] == f"team{seed}"
         assert runs[run_id]["meta"]["seed"] == seed
     assert len({answers[seed]["run_id"] for seed in seeds}) == len(seeds)

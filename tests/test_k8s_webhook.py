@@ -2,8 +2,10 @@
 from the Kubernetes client's own models, sent over HTTPS to the real webhook process (its
 certificate verified), which asks a real `vault serve`. A pod or a Job is allowed only on images
 named by pinned digests and a pinned dataset manifest, refused otherwise naming the container
-and the vault's reason word for word, refused while the vault is down, and a malformed review
-gets HTTP 400. The deployment's manifest says what the webhook needs of the API server."""
+and the vault's reason word for word (an OCI image missing a blob, that blob), refused while the
+vault is down, and a malformed review gets HTTP 400. An allowed review says in its audit
+annotations what was checked of the images. The deployment's manifest says what the webhook
+needs of the API server."""
 
 from __future__ import annotations
 
@@ -42,10 +44,13 @@ from tests.conftest import StartVault
 from tests.services.base import terminate
 from tests.services.vault_server import REPO_ROOT, VAULT_COMMAND, VaultServer, command_env
 from tests.test_agent import Pinned, vaults_word
-from tests.test_slurm import short_dir
+from tests.test_slurm import pin_oci_image, short_dir
+from vault.client import VaultClient
 
 ANNOTATION = "pinvault.dev/dataset"
 BANNER = "pinvault k8s webhook on https://"
+# Pinned's image is one file: the annotation an allowed pod on it carries.
+ONE_FILE = "one file, verified when stored"
 DEPLOY = REPO_ROOT / "deploy" / "kubernetes"
 
 
@@ -253,6 +258,54 @@ def test_a_pod_on_a_pinned_image_digest_and_dataset_is_allowed(
     response = webhook.review(pod(by_digest(pinned.image), pinned.dataset))
     assert response["allowed"] is True, response
     assert "status" not in response
+    assert response["auditAnnotations"] == {"image-held": f"{pinned.image}: {ONE_FILE}"}
+
+
+def test_an_allowed_pod_records_what_was_checked_of_its_images(
+    webhook: Webhook, vault: VaultServer, pinned: Pinned
+) -> None:
+    with VaultClient(vault.address, timeout=60) as client:
+        image = pin_oci_image(client)
+        other = pin_oci_image(client)
+    response = webhook.review(pod(by_digest(image.digest), pinned.dataset))
+    assert response["allowed"] is True, response
+    assert response["auditAnnotations"] == {
+        "image-held": f"{image.digest}: 3 blobs, each verified when stored"
+    }
+    # Asked again within the cache's time, the answer is the same.
+    again = webhook.review(pod(by_digest(image.digest), pinned.dataset, name="again"))
+    assert again["auditAnnotations"] == response["auditAnnotations"]
+    # Several images are counted, not listed: the one file is one blob.
+    several = pod(by_digest(image.digest), pinned.dataset, init_image=by_digest(other.digest))
+    several.spec.containers.append(V1Container(name="sidecar", image=by_digest(pinned.image)))
+    response = webhook.review(several)
+    assert response["auditAnnotations"] == {
+        "image-held": "3 images: 7 blobs, each verified when stored"
+    }
+    # An image kept in a registry is pinned --external: recorded, nothing of it fetched.
+    elsewhere = "sha256:" + os.urandom(32).hex()
+    vault.run("pin", "image", elsewhere, "--external").ok()
+    response = webhook.review(pod(by_digest(elsewhere), pinned.dataset))
+    assert response["auditAnnotations"] == {"image-external": f"{elsewhere}: recorded, not fetched"}
+    mixed = pod(by_digest(elsewhere), pinned.dataset, init_image=by_digest(image.digest))
+    assert webhook.review(mixed)["auditAnnotations"] == {
+        "image-held": f"{image.digest}: 3 blobs, each verified when stored",
+        "image-external": f"{elsewhere}: recorded, not fetched",
+    }
+
+
+@pytest.mark.parametrize("left_out", ["config", "layer", "manifest"])
+def test_a_pod_on_an_image_not_held_whole_is_refused_naming_the_missing_blob(
+    webhook: Webhook, vault: VaultServer, pinned: Pinned, left_out: str
+) -> None:
+    with VaultClient(vault.address, timeout=60) as client:
+        image = pin_oci_image(client, left_out)
+    response = webhook.review(pod(by_digest(image.digest), pinned.dataset))
+    message = refused(response)
+    assert "auditAnnotations" not in response
+    assert message == f"container 'trainer': {image.refusal}"
+    # In the words `vault admit` (and so the Slurm plugin) uses.
+    assert vaults_word(vault, pinned.request(image=image.digest)) == image.refusal
 
 
 def test_an_image_by_tag_is_refused_naming_the_container(webhook: Webhook, pinned: Pinned) -> None:

@@ -3,7 +3,9 @@ shows the vault's reason; an admitted job runs with its run id and seed in its e
 its run id on its record. slurm/job_submit.lua runs in a private one-node cluster (see
 tests/services/slurm.py) and asks a real `vault serve` through the real `vault admit`, and
 again through a real `vault admission-agent` on a Unix socket; when the agent is down, silent or
-talks nonsense, the job is refused with a reason.
+talks nonsense, the job is refused with a reason. Either way an admitted job's submitter is told
+what the vault checked of its image, and a job on an OCI image the vault does not hold whole is
+refused naming the blob it lacks.
 
 Then the whole loop: `vault run` checks, pins and submits a job; the job records its outputs
 and checkpoint with the run library and publishes its run manifest and replicate.sh; `vault
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import socket
@@ -43,6 +46,8 @@ SEED = "0xC0FFEE"
 SHOW_PINS = "#!/bin/sh\nenv | grep '^PINVAULT_' | sort\n"
 # The vault command as slurmctld runs it: an executable path (the venv's `vault` script).
 VAULT_EXECUTABLE = VAULT_COMMAND[0] if len(VAULT_COMMAND) == 1 else None
+# What the plugin tells the submitter of an admitted job on an image pinned as one file.
+ONE_FILE = "image held: one file, verified when stored"
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,94 @@ def pins(vault: VaultServer, tmp_path_factory: pytest.TempPathFactory) -> Pins:
     vault.run("pin", "image", image_digest).ok()
     dataset_digest = vault.run("dataset", "add", str(dataset)).ok().stdout.split()[0]
     return Pins(image_digest, dataset_digest, put(vault, other))
+
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+
+
+@dataclass(frozen=True)
+class OciImage:
+    """An image pinned as an OCI manifest (a config and two layers) or as an index listing one,
+    with every blob held or one left out; `refusal` is the vault's reason for the latter."""
+
+    digest: str
+    blobs: int
+    refusal: str
+
+
+def _descriptor(media_type: str, data: bytes) -> dict[str, str | int]:
+    return {"mediaType": media_type, "digest": sha256(data), "size": len(data)}
+
+
+def sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def pin_oci_image(client: VaultClient, left_out: str = "") -> OciImage:
+    """An OCI image put and pinned through `client`, without the blob `left_out` names: its
+    `config`, a `layer`, or (the image then an index listing it) its `manifest`."""
+    # Bytes of each image's own: a blob another image put would be held.
+    config = json.dumps(
+        {"architecture": "amd64", "os": "linux", "id": os.urandom(8).hex()}
+    ).encode()
+    layers = [os.urandom(3000), os.urandom(2000)]
+    manifest = json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": OCI_MANIFEST,
+            "config": _descriptor("application/vnd.oci.image.config.v1+json", config),
+            "layers": [
+                _descriptor("application/vnd.oci.image.layer.v1.tar+gzip", layer)
+                for layer in layers
+            ],
+        }
+    ).encode()
+    blobs = {"config": config, "layer": layers[1], "manifest": manifest}
+    for data in (config, *layers, manifest):
+        if data is not blobs.get(left_out):
+            client.put(data)
+    image, named = manifest, 3
+    if left_out == "manifest":
+        index = {
+            "schemaVersion": 2,
+            "mediaType": OCI_INDEX,
+            "manifests": [_descriptor(OCI_MANIFEST, manifest)],
+        }
+        image, named = json.dumps(index).encode(), 1
+        client.put(image)
+    digest = str(client.pin("image", sha256(image)).entry.subjects[0])
+    refusal = ""
+    if left_out:
+        missing = blobs[left_out]
+        refusal = (
+            f"FAILED_PRECONDITION: image {digest} is not held whole: 1 of the {named} blobs "
+            f"{digest} names are not in the store (first: {left_out} {sha256(missing)}, "
+            f"{len(missing)} bytes)"
+        )
+    return OciImage(digest, named, refusal)
+
+
+@pytest.fixture(scope="module")
+def images(vault: VaultServer) -> dict[str, OciImage]:
+    """OCI images pinned in the module's vault: one held whole, and one lacking each kind of
+    blob an image names."""
+    with VaultClient(vault.address, timeout=60) as client:
+        return {
+            left_out or "held": pin_oci_image(client, left_out)
+            for left_out in ("", "config", "layer", "manifest")
+        }
+
+
+def admitted_line(stderr: str) -> str:
+    """What the plugin told the submitter of an admitted job: one line on sbatch's standard
+    error, and nothing else."""
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    found = re.fullmatch(r"sbatch: (pinvault: admitted as run sha256:[0-9a-f]{64}; .*)", lines[0])
+    assert found, stderr
+    return found.group(1)
 
 
 def put(vault: VaultServer, path: Path) -> str:
@@ -232,13 +325,14 @@ def test_a_pinned_job_runs_with_the_run_id_the_vault_recorded(
 ) -> None:
     submitted = cluster.sbatch(["--account=vision"], pins.env(), script=SHOW_PINS)
     assert submitted.returncode == 0, submitted.describe()
-    assert submitted.stderr == ""
+    told = admitted_line(submitted.stderr)
     job_id = submitted.job_id
 
     record = cluster.wait(job_id)
     assert record["job_state"] == "COMPLETED", cluster.output(job_id)
     seen = dict(line.split("=", 1) for line in cluster.output(job_id).splitlines())
     run_id = seen["PINVAULT_RUN_ID"]
+    assert told == f"pinvault: admitted as run {run_id}; {ONE_FILE}"
 
     # What the vault wrote: a run entry naming this run id, its inputs, seed and team.
     runs = vault.run("log", "--kind", "run", "--json").ok().json_lines()
@@ -385,14 +479,18 @@ def test_through_the_agent_a_pinned_job_runs_with_its_run_id_and_seed(
     with plugin_conf(cluster, agent_conf(agent.socket)):
         submitted = cluster.sbatch(["--account=vision"], env, script=SHOW_PINS)
     assert submitted.returncode == 0, submitted.describe()
-    assert submitted.stderr == ""
+    told = admitted_line(submitted.stderr)
     job_id = submitted.job_id
     assert cluster.wait(job_id)["job_state"] == "COMPLETED", cluster.output(job_id)
     seen = dict(line.split("=", 1) for line in cluster.output(job_id).splitlines())
+    assert told == f"pinvault: admitted as run {seen['PINVAULT_RUN_ID']}; {ONE_FILE}"
 
     # The vault's own answer to the same pins: the same run, recorded for team vision.
     answer = admit(vault, env, "vision").ok().stdout.strip()
-    assert answer == f"run_id={seen['PINVAULT_RUN_ID']} seed={int('0xA9E47', 16)}"
+    assert answer == (
+        f"run_id={seen['PINVAULT_RUN_ID']} seed={int('0xA9E47', 16)}\n"
+        "image_blobs=0 image_external=false"
+    )
     assert seen["PINVAULT_SEED"] == str(int("0xA9E47", 16))
     runs = vault.run("log", "--kind", "run", "--json").ok().json_lines()
     entry = next(e for e in runs if e["subjects"][0] == seen["PINVAULT_RUN_ID"])
@@ -419,7 +517,7 @@ def test_without_lua_socket_the_vault_command_is_asked(
         with plugin_conf(cluster, agent_conf(agent.socket)):
             without_command = cluster.sbatch([], pins.env(), script=SHOW_PINS)
         log = (cluster.log_dir / "slurmctld.log").read_text(errors="replace")
-    run_id, seed = admit(vault, env, "vision").ok().stdout.split()
+    run_id, seed, *_ = admit(vault, env, "vision").ok().stdout.split()
     assert f"AdminComment=pinvault {run_id.replace('_id=', '=')} {seed}" in shown, shown
     assert run_id.removeprefix("run_id=") not in agent.log()
     assert "lua-socket cannot be loaded, so admissions run the vault command" in log
@@ -506,8 +604,20 @@ def test_sbatch_refuses_when_the_agent_does_not_answer_in_time(
         b'{"admitted": true, "run_id": "sha256:' + b"a" * 64 + b'", "seed": "1", }\n',
         b'{"admitted": false}\n',
         b'{"admitted": true, "run_id": "sha256:' + b"a" * 64 + b'", "seed": "1"}',
+        b'{"admitted": true, "run_id": "sha256:' + b"a" * 64 + b'", "seed": "1", '
+        b'"image_blobs": 2.5}\n',
+        b'{"admitted": true, "run_id": "sha256:' + b"a" * 64 + b'", "seed": "1", '
+        b'"image_blobs": 07}\n',
     ],
-    ids=["not-json", "short-run-id", "trailing-comma", "no-reason", "no-newline"],
+    ids=[
+        "not-json",
+        "short-run-id",
+        "trailing-comma",
+        "no-reason",
+        "no-newline",
+        "fraction",
+        "leading-zero",
+    ],
 )
 def test_sbatch_refuses_an_answer_it_does_not_understand(
     cluster: SlurmCluster, pins: Pins, answer: bytes
@@ -526,6 +636,112 @@ def test_sbatch_refuses_an_answer_it_does_not_understand(
         # An answer without its newline is not a line: the connection closed first.
         f"UNAVAILABLE: {where} closed the connection without an answer",
     ), reason
+
+
+# -- what was checked of the image ------------------------------------------------------------
+
+
+def ask_by(path: str, cluster: SlurmCluster, agent: AdmissionAgent) -> str:
+    """pinvault.conf for asking the agent, or (the module's own) for running `vault admit`."""
+    if path == "agent":
+        return agent_conf(agent.socket)
+    return (cluster.conf_dir / "pinvault.conf").read_text()
+
+
+@pytest.mark.parametrize("path", ["agent", "command"])
+def test_a_job_on_a_held_oci_image_is_told_how_many_blobs_were_checked(
+    cluster: SlurmCluster,
+    vault: VaultServer,
+    agent: AdmissionAgent,
+    images: dict[str, OciImage],
+    pins: Pins,
+    path: str,
+) -> None:
+    image = images["held"]
+    # A seed of each path's own: each admits a new run.
+    env = pins.env(PINVAULT_IMAGE=image.digest, PINVAULT_SEED=str(len(path)))
+    with plugin_conf(cluster, ask_by(path, cluster, agent)):
+        submitted = cluster.sbatch(["--account=vision", "--hold"], env, script=SHOW_PINS)
+    try:
+        assert submitted.returncode == 0, submitted.describe()
+        shown = cluster.run("scontrol", "show", "job", str(submitted.job_id)).stdout
+        recorded = re.search(r"AdminComment=pinvault run=(sha256:[0-9a-f]{64})", shown)
+        assert recorded, shown
+        run_id = recorded.group(1)
+        assert admitted_line(submitted.stderr) == (
+            f"pinvault: admitted as run {run_id}; image held: 3 blobs, each verified when stored"
+        )
+    finally:
+        cluster.run("scancel", str(submitted.job_id))
+    # `vault admit` says the same to a machine, with the same count.
+    answer = admit(vault, env, "vision").ok().stdout.split()
+    assert answer[2:] == ["image_blobs=3", "image_external=false"]
+    if path == "agent":
+        assert (
+            agent.ask(
+                {"image": image.digest, "dataset": pins.dataset, "seed": "5", "team": "vision"}
+            )["image_blobs"]
+            == "3"
+        )
+
+
+@pytest.mark.parametrize("path", ["agent", "command"])
+def test_a_job_on_an_external_image_is_told_it_was_recorded_not_fetched(
+    cluster: SlurmCluster, vault: VaultServer, agent: AdmissionAgent, pins: Pins, path: str
+) -> None:
+    elsewhere = sha256(f"an image only a registry holds ({path})".encode())
+    vault.run("pin", "image", elsewhere, "--external").ok()
+    env = pins.env(PINVAULT_IMAGE=elsewhere)
+    with plugin_conf(cluster, ask_by(path, cluster, agent)):
+        submitted = cluster.sbatch(["--account=vision", "--hold"], env, script=SHOW_PINS)
+    try:
+        assert submitted.returncode == 0, submitted.describe()
+        assert admitted_line(submitted.stderr).endswith(
+            "; image recorded, not fetched (external)"
+        ), submitted.stderr
+    finally:
+        cluster.run("scancel", str(submitted.job_id))
+    answer = admit(vault, env, "vision").ok().stdout.split()
+    assert answer[2:] == ["image_blobs=0", "image_external=true"]
+
+
+@pytest.mark.parametrize("left_out", ["config", "layer", "manifest"])
+@pytest.mark.parametrize("path", ["agent", "command"])
+def test_a_job_on_an_image_not_held_whole_is_refused_naming_the_missing_blob(
+    cluster: SlurmCluster,
+    vault: VaultServer,
+    agent: AdmissionAgent,
+    images: dict[str, OciImage],
+    pins: Pins,
+    path: str,
+    left_out: str,
+) -> None:
+    image = images[left_out]
+    env = pins.env(PINVAULT_IMAGE=image.digest)
+    with plugin_conf(cluster, ask_by(path, cluster, agent)):
+        submitted = cluster.sbatch(["--account=vision"], env, script=SHOW_PINS)
+    assert submitted.returncode != 0, submitted.describe()
+    assert refusal(submitted.stderr) == image.refusal
+    assert "Batch job submission failed: Access/permission denied" in submitted.stderr
+
+
+def test_an_agent_that_says_nothing_of_the_image_admits_with_the_run_alone(
+    cluster: SlurmCluster, pins: Pins
+) -> None:
+    """An agent older than the plugin: the job is admitted, and the line names only the run."""
+    run_id = "sha256:" + "a" * 64
+    answer = b'{"admitted": true, "run_id": "' + run_id.encode() + b'", "seed": "1"}\n'
+    with (
+        short_dir("pinvault-slurm-agent-old-") as base,
+        fake_agent(base / "agent.sock", answer),
+        plugin_conf(cluster, agent_conf(base / "agent.sock")),
+    ):
+        submitted = cluster.sbatch(["--hold"], pins.env(), script=SHOW_PINS)
+    try:
+        assert submitted.returncode == 0, submitted.describe()
+        assert submitted.stderr == f"sbatch: pinvault: admitted as run {run_id}\n"
+    finally:
+        cluster.run("scancel", str(submitted.job_id))
 
 
 # -- the whole loop: vault run, the run library in the job, vault replay ----------------------

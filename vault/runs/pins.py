@@ -5,6 +5,7 @@ same in its own ledger and store (and then appends the run), and refuses in the 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from vault.client import ProvenEntry, VaultClient
 from vault.digest import Digest
@@ -15,6 +16,16 @@ from vault.store.image import MAX_IMAGE_MANIFEST, Named, check_image_held
 
 def _an(word: str) -> str:
     return f"an {word}" if word[0] in "aeiou" else f"a {word}"
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """What a check found of an input: pinned only as external content (nothing of it is held),
+    or held; for an image held as an OCI manifest or index, how many blobs it names (0: an image
+    pinned as one file)."""
+
+    external: bool
+    image_blobs: int = 0
 
 
 def require_pin(client: VaultClient, kind: str, digest: str) -> list[ProvenEntry]:
@@ -32,21 +43,21 @@ def require_pin(client: VaultClient, kind: str, digest: str) -> list[ProvenEntry
     return pins
 
 
-def check_input(client: VaultClient, kind: str, digest: str) -> None:
+def check_input(client: VaultClient, kind: str, digest: str) -> Found:
     """Refuse an input (`image` or `dataset`) that is not pinned as one or, unless it is pinned
     only as external content (kept elsewhere, an OCI registry say), whose content the store
     lacks; a dataset must also be a valid manifest whose every file the store holds."""
     wanted = str(Digest.parse(digest))
     if all(p.entry.external for p in require_pin(client, kind, wanted)):
-        return
+        return Found(external=True)
     if kind != "dataset":
         if find_missing(client, [wanted]):
             raise FailedPrecondition(
                 f"{kind} {wanted} is pinned but its content is not in the store"
             )
         if kind == "image":
-            _check_image_held(client, wanted)
-        return
+            return Found(external=False, image_blobs=_check_image_held(client, wanted))
+        return Found(external=False)
     try:
         # Fetched and verified against its digest by this client.
         manifest = fetch_manifest(client, wanted)
@@ -63,6 +74,7 @@ def check_input(client: VaultClient, kind: str, digest: str) -> None:
             f"dataset {wanted} is missing {len(missing)} of its {len(manifest.files)} files' "
             f"content (first: {first})"
         )
+    return Found(external=False)
 
 
 def _check_image_held(client: VaultClient, digest: str) -> int:
