@@ -60,7 +60,7 @@ def main() -> None:
         with vault_server() as server:
             with VaultClient(server.address, timeout=600) as client:
                 started = time.perf_counter()
-                put = client.put(source)
+                put = client.put(source, chunk_root=True)
                 put_seconds = time.perf_counter() - started
                 digest = str(put.blob.sha256)
 

@@ -293,7 +293,7 @@ def test_a_random_read_of_a_pinned_safetensors_file_fetches_only_its_ranges(
     blob, tensors = safetensors_like(
         {"embed": 9 * MiB, "layer.0": 6 * MiB + 17, "head": 5 * MiB}, "safetensors"
     )
-    digest = str(client.put(blob).blob.sha256)
+    digest = str(client.put(blob, chunk_root=True).blob.sha256)
     client.pin("config", digest)  # by the client that put it: the pin records its chunk root
     counting = CountingGets()
     with TamperingProxy(vault_server.address) as proxy:
@@ -333,7 +333,7 @@ def test_pyarrow_reads_a_pinned_parquet_files_footer_and_one_row_group_alone(
     out = io.BytesIO()
     table.to_parquet(out, index=False, row_group_size=4, compression=None)
     data = out.getvalue()
-    digest = str(client.put(data).blob.sha256)
+    digest = str(client.put(data, chunk_root=True).blob.sha256)
     client.pin("config", digest)
     counting = CountingGets()
     with TamperingProxy(vault_server.address) as proxy:

@@ -98,7 +98,7 @@ def pinned(vault_server: VaultServer, tmp_path_factory: pytest.TempPathFactory) 
     source = tmp_path_factory.mktemp("pinned") / "blob"
     source.write_bytes(DATA)
     with vault_server.client() as client:
-        assert str(client.put(source).blob.sha256) == SHA256
+        assert str(client.put(source, chunk_root=True).blob.sha256) == SHA256
         proven = client.pin("config", SHA256, meta={"name": "verified ranges"})
     assert proven.entry.meta[CHUNK_ROOT] == root_of(DATA)
     return SHA256
@@ -261,13 +261,16 @@ def test_the_vault_refuses_a_chunk_root_for_a_blob_it_does_not_hold(
 def test_a_clients_pins_record_the_root_of_what_it_put(
     vault_server: VaultServer, tmp_path: Path
 ) -> None:
-    """What a client puts and then pins as the first subject carries its root; pins of small
-    blobs and of blobs it did not put carry none, unless it is asked to compute one."""
+    """What a client puts with its root and then pins as the first subject carries the root;
+    pins of small blobs, of blobs put without it and of blobs it did not put carry none, unless
+    it is asked to compute one."""
     large = random_bytes(3 * MiB + 1, "large")
     small = b"small"
     with vault_server.client() as client:
-        big = client.put(large).blob
-        little = client.put(small).blob
+        big = client.put(large, chunk_root=True).blob
+        little = client.put(small, chunk_root=True).blob
+        plain = client.put(random_bytes(2 * MiB + 3, "plain")).blob
+        assert CHUNK_ROOT not in client.pin("config", str(plain.sha256)).entry.meta
         by_blake3 = client.pin("config", str(big.blake3))
         assert by_blake3.entry.subjects == (str(big.sha256),)
         assert by_blake3.entry.meta[CHUNK_ROOT] == root_of(large)

@@ -142,6 +142,7 @@ class VaultClient:
         expected: str | None = None,
         progress: Callable[[int], None] | None = None,
         handoff: bool | None = None,
+        chunk_root: bool = False,
     ) -> PutResult:
         """Store bytes in the vault; returns once they are durable. The client hashes what it
         sends (BLAKE3, cheap) and checks the server stored exactly that.
@@ -149,9 +150,13 @@ class VaultClient:
         A file of at least `HANDOFF_MIN` bytes on the vault's own host is handed to the server,
         which reads it itself (vault.client.handoff); anything else streams. `handoff=True` asks
         for the handoff whatever the size and fails if it cannot be had; `False` always
-        streams. The client computes the chunk root of what it sends too, which its pins of
-        the blob record (see `pin`)."""
-        result = self._transfer.put(source, expected=expected, progress=progress, handoff=handoff)
+        streams. With `chunk_root=True` the client also computes the chunk root of what it
+        sends (one more BLAKE3 pass over the bytes), which its pins of the blob then record
+        (see `pin`), so that ranges of it are verified alone: for a blob to be pinned on its
+        own and read by range later, not for one only a manifest names."""
+        result = self._transfer.put(
+            source, expected=expected, progress=progress, handoff=handoff, chunk_root=chunk_root
+        )
         self._remember_root(result)
         return result
 
@@ -381,8 +386,8 @@ class VaultClient:
 
         The pin records its first subject's chunk root (`chunk-root`, vault.client.ranges), so
         that ranges of the blob can be verified alone: by default when this client put the
-        blob (of more than one chunk) and computed the root as it sent it; with
-        `chunk_root=True` also for a stored blob it did not put, whose whole bytes it then
+        blob (of more than one chunk) with `put(..., chunk_root=True)`; with
+        `chunk_root=True` also for a stored blob it did not put so, whose whole bytes it then
         reads and verifies to compute the root; never with `False`."""
         if not self._vouched:
             self.checkpoint()

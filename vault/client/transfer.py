@@ -84,25 +84,30 @@ class Transfer:
         expected: str | None = None,
         progress: Callable[[int], None] | None = None,
         handoff: bool | None = None,
+        chunk_root: bool = False,
     ) -> PutResult:
         if expected:
             Digest.parse(expected)
         if handoff is not False and isinstance(source, (str, os.PathLike)):
-            result = self._put_handed_off(source, expected, progress, required=bool(handoff))
+            result = self._put_handed_off(
+                source, expected, progress, required=bool(handoff), chunk_root=chunk_root
+            )
             if result is not None:
                 return result
         elif handoff:
             raise InvalidArgument("only a file named by its path can be handed off")
         local = blake3.blake3()
-        # The chunk root of what is sent, which a pin of the blob records (vault.client.ranges).
-        chunked = ChunkRootHasher()
+        # The chunk root of what is sent, if asked: a pin of the blob records it
+        # (vault.client.ranges).
+        chunked = ChunkRootHasher() if chunk_root else None
 
         def requests(stream: IO[bytes], gate: _CommitGate) -> Iterator[pb.PutRequest]:
             yield pb.PutRequest(header=pb.PutHeader(expected_digest=expected or ""))
             size = 0
             while data := stream.read(PUT_CHUNK):
                 local.update(data)
-                chunked.update(data)
+                if chunked is not None:
+                    chunked.update(data)
                 size += len(data)
                 if progress:
                     progress(len(data))
@@ -114,7 +119,7 @@ class Transfer:
 
         with _open_source(source) as stream:
             response = self._call(self._store.Put, lambda gate: requests(stream, gate))
-        return _stored(response, local.digest(), chunked.root())
+        return _stored(response, local.digest(), chunked.root() if chunked else None)
 
     def _call(self, method: Any, requests: Callable[[_CommitGate], Iterator[Any]]) -> Any:
         """A client-streaming call that an interrupt (Ctrl-C, or SIGTERM raised as one) in the
@@ -140,6 +145,7 @@ class Transfer:
         progress: Callable[[int], None] | None,
         *,
         required: bool,
+        chunk_root: bool,
     ) -> PutResult | None:
         """The put of a file handed to the server, or None when it should stream instead."""
         try:
@@ -155,7 +161,7 @@ class Transfer:
                 return None
             # What the client sends is its file: hash it while the server reads it too. The
             # commit follows once it is hashed.
-            local = _FileHash(fd, size)
+            local = _FileHash(fd, size, chunk_root=chunk_root)
 
             def requests(gate: _CommitGate) -> Iterator[pb.PutRequest]:
                 yield pb.PutRequest(
@@ -340,15 +346,7 @@ class Transfer:
         """The SHA-256 of the blob named by a blake3 digest, from its bytes: fetched, hashed,
         and verified against `digest` itself (the only way to tie an alias to its blob)."""
         sha = hashlib.sha256()
-        with rpc_errors():
-            reader = BlobReader(
-                self._store.Get(pb.GetRequest(digest=str(digest)), timeout=self._timeout),
-                digest,
-                check_chunks=False,
-            )
-        for piece in reader.chunks():
-            sha.update(piece)
-        # chunks() ended, so the whole digest matched.
+        self._read_verified(digest, sha.update)
         return Digest.sha256(sha.digest())
 
     def chunk_root_of(self, digest: Digest) -> tuple[int, bytes]:
@@ -356,6 +354,12 @@ class Transfer:
         chunk, and verified against `digest` itself before the root is returned (the server's
         chunk list is not taken on its word)."""
         chunked = ChunkRootHasher()
+        self._read_verified(digest, chunked.update)
+        return chunked.size, chunked.root()
+
+    def _read_verified(self, digest: Digest, take: Callable[[memoryview], object]) -> None:
+        """Hand each piece of the whole blob `digest` to `take`; returns once its digest
+        matched (IntegrityError otherwise), so what `take` made of it may then be used."""
         with rpc_errors():
             reader = BlobReader(
                 self._store.Get(pb.GetRequest(digest=str(digest)), timeout=self._timeout),
@@ -363,9 +367,7 @@ class Transfer:
                 check_chunks=False,
             )
         for piece in reader.chunks():
-            chunked.update(piece)
-        # chunks() ended, so the whole digest matched.
-        return chunked.size, chunked.root()
+            take(piece)
 
     def get(
         self,
@@ -625,9 +627,9 @@ def _stored_info(blob: pb.BlobInfo, expected: Digest | None) -> BlobInfo:
     return BlobInfo(sha256, blake3_, blob.size, blob.stored_at)
 
 
-def _stored(response: pb.PutResponse, sent_blake3: bytes, chunk_root: bytes) -> PutResult:
+def _stored(response: pb.PutResponse, sent_blake3: bytes, chunk_root: bytes | None) -> PutResult:
     """The answer to a put, once checked to name what the client sent (whose chunk root the
-    client computed as it sent it)."""
+    client computed as it sent it, if asked)."""
     result = PutResult(BlobInfo.from_wire(response.blob), response.created, chunk_root=chunk_root)
     if result.blob.blake3.raw != sent_blake3:
         raise IntegrityError(
@@ -637,14 +639,14 @@ def _stored(response: pb.PutResponse, sent_blake3: bytes, chunk_root: bytes) -> 
 
 
 class _FileHash:
-    """The BLAKE3 of a file's first `size` bytes, and their chunk root, computed on a thread of
-    its own."""
+    """The BLAKE3 of a file's first `size` bytes, and their chunk root if asked, computed on a
+    thread of its own."""
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, *, chunk_root: bool) -> None:
         self._fd = fd
         self._size = size
         self._hash = blake3.blake3()
-        self._chunked = ChunkRootHasher()
+        self._chunked = ChunkRootHasher() if chunk_root else None
         self._error: OSError | None = None
         self._thread = threading.Thread(target=self._run, name="pinvault-hash", daemon=True)
         self._thread.start()
@@ -657,7 +659,8 @@ class _FileHash:
                 if not piece:
                     break
                 self._hash.update(piece)
-                self._chunked.update(piece)
+                if self._chunked is not None:
+                    self._chunked.update(piece)
                 offset += len(piece)
         except OSError as exc:
             self._error = exc
@@ -668,9 +671,9 @@ class _FileHash:
             raise InvalidArgument(f"cannot read the file being put: {self._error.strerror}")
         return bytes(self._hash.digest())
 
-    def chunk_root(self) -> bytes:
+    def chunk_root(self) -> bytes | None:
         self.digest()
-        return self._chunked.root()
+        return None if self._chunked is None else self._chunked.root()
 
 
 @contextlib.contextmanager

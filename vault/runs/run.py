@@ -300,7 +300,7 @@ class Run:
         """Store and record a file the job wrote by other means (inside the output folder)."""
         relative, target = self._output_path(path)
         sha256, size = _hash_file(target)
-        self._store(target, sha256, size)
+        self._store(target, sha256, size, chunk_root=True)
         return self._pin_artefact(relative, sha256, size)
 
     def outputs(self) -> list[Artefact]:
@@ -327,9 +327,13 @@ class Run:
             raise InvalidArgument(f"output {relative} is the name finish() writes the replay to")
         return check_path(relative, "output"), target
 
-    def _store(self, source: Path | bytes, sha256: str, size: int) -> None:
-        # `expected` makes the vault refuse bytes that changed after they were hashed.
-        result = self.client.put(source, expected=sha256)
+    def _store(
+        self, source: Path | bytes, sha256: str, size: int, *, chunk_root: bool = False
+    ) -> None:
+        # `expected` makes the vault refuse bytes that changed after they were hashed. An
+        # output, pinned on its own, is put with its chunk root, which its pin then records:
+        # its ranges are verified alone (vault.client.ranges).
+        result = self.client.put(source, expected=sha256, chunk_root=chunk_root)
         _check_stored(result.blob.sha256, result.blob.size, sha256, size)
 
     def _pin_artefact(self, relative: str, sha256: str, size: int) -> Artefact:
@@ -580,7 +584,7 @@ class OutputFile(io.RawIOBase):
             os.fsync(self._file.fileno())
             self._file.close()
             sha256 = "sha256:" + self._hash.hexdigest()
-            self._run._store(self._partial, sha256, self._size)
+            self._run._store(self._partial, sha256, self._size, chunk_root=True)
             os.replace(self._partial, self.target)
             fsync_dir(self.target.parent)
             self.artefact = self._run._pin_artefact(self.path, sha256, self._size)
