@@ -36,6 +36,7 @@ from tests.services.agent import AdmissionAgent
 from tests.services.installed import install_vault
 from tests.services.slurm import FINISHED_STATES, SlurmCluster
 from tests.services.vault_server import VAULT_COMMAND, VaultRun, VaultServer
+from tests.test_admission import OCI_INDEX, OCI_MANIFEST, _descriptor, _image_manifest, sha256
 from vault.client import VaultClient
 from vault.runs import load_run_manifest
 
@@ -122,10 +123,6 @@ def pins(vault: VaultServer, tmp_path_factory: pytest.TempPathFactory) -> Pins:
     return Pins(image_digest, dataset_digest, put(vault, other))
 
 
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-
-
 @dataclass(frozen=True)
 class OciImage:
     """An image pinned as an OCI manifest (a config and two layers) or as an index listing one,
@@ -136,14 +133,6 @@ class OciImage:
     refusal: str
 
 
-def _descriptor(media_type: str, data: bytes) -> dict[str, str | int]:
-    return {"mediaType": media_type, "digest": sha256(data), "size": len(data)}
-
-
-def sha256(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
 def pin_oci_image(client: VaultClient, left_out: str = "") -> OciImage:
     """An OCI image put and pinned through `client`, without the blob `left_out` names: its
     `config`, a `layer`, or (the image then an index listing it) its `manifest`."""
@@ -152,17 +141,7 @@ def pin_oci_image(client: VaultClient, left_out: str = "") -> OciImage:
         {"architecture": "amd64", "os": "linux", "id": os.urandom(8).hex()}
     ).encode()
     layers = [os.urandom(3000), os.urandom(2000)]
-    manifest = json.dumps(
-        {
-            "schemaVersion": 2,
-            "mediaType": OCI_MANIFEST,
-            "config": _descriptor("application/vnd.oci.image.config.v1+json", config),
-            "layers": [
-                _descriptor("application/vnd.oci.image.layer.v1.tar+gzip", layer)
-                for layer in layers
-            ],
-        }
-    ).encode()
+    manifest = _image_manifest(config, layers)
     blobs = {"config": config, "layer": layers[1], "manifest": manifest}
     for data in (config, *layers, manifest):
         if data is not blobs.get(left_out):
