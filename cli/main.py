@@ -163,8 +163,10 @@ def cmd_get(args: argparse.Namespace, config: Config) -> int:
                 print_json({"path": args.output, **_blob_dict(info)})
             return 0
         if args.output and args.output != "-":
-            stat = client.stat(args.digest) if not args.json else None
-            # A range is verified as part of the whole blob, which is what is fetched.
+            whole = args.offset == 0 and args.length is None
+            stat = client.stat(args.digest) if not args.json and whole else None
+            # A range moves its own chunks, or the whole blob when no pin records its chunk
+            # root: its bar counts bytes without a total.
             total = stat.blob.size if stat else None
             bar = Progress(f"get {args.digest[:19]}…", total) if not args.json else None
             try:
@@ -243,7 +245,13 @@ def cmd_pin(args: argparse.Namespace, config: Config) -> int:
     with _client(config) as client:
         # The client has the vault prove itself (its key, a checkpoint consistent with the last
         # one verified) before it asks for the append.
-        proven = client.pin(args.kind, args.digests, meta=meta, external=args.external)
+        proven = client.pin(
+            args.kind,
+            args.digests,
+            meta=meta,
+            external=args.external,
+            chunk_root=True if args.chunk_root else None,
+        )
     if args.json:
         print_json(_proven_dict(proven))
     else:
@@ -670,6 +678,12 @@ def _pin_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument(
         "--external", action="store_true", help="content kept elsewhere (an OCI registry)"
+    )
+    p.add_argument(
+        "--chunk-root",
+        action="store_true",
+        help="record the first digest's chunk root, so that its ranges are verified alone "
+        "(reads the whole blob once, verified, to compute it)",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_pin)

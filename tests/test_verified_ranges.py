@@ -166,6 +166,24 @@ def test_vault_get_of_a_range_moves_only_its_chunks(
     assert counting.sent == MiB
 
 
+def test_vault_pin_chunk_root_records_the_root_of_a_blob_another_client_put(
+    vault_server: VaultServer, proxy: TamperingProxy, tmp_path: Path
+) -> None:
+    data, digest = unrooted(vault_server, "pinned by the command")
+    pinned = vault_server.run("pin", "artefact", digest, "--chunk-root", "--json").ok().json()
+    assert pinned["meta"] == {CHUNK_ROOT: root_of(data)}
+    counting = Counting()
+    proxy.tamper("Store/Get", counting)
+    target = tmp_path / "part"
+    vault_server.run(
+        *("get", digest, "--offset", str(3 * MiB), "--length", "10", "-o", str(target)),
+        env={"PINVAULT_CLIENT_SERVER": proxy.address},
+        state_home=tmp_path / "state",
+    ).ok()
+    assert target.read_bytes() == data[3 * MiB : 3 * MiB + 10]
+    assert counting.sent == MiB
+
+
 # ---------------------------------------------------------------------- a hostile server
 
 
