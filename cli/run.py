@@ -271,6 +271,10 @@ def sbatch_command() -> str:
     return command
 
 
+# What the job_submit plugin (slurm/job_submit.lua) tells the submitter of a job it admitted.
+_ADMITTED: Final = "pinvault: admitted as run "
+
+
 def _sbatch(command: str, args: list[str], env: Mapping[str, str]) -> tuple[str, str]:
     """Run sbatch; its standard output and error, or raises with its reason."""
     import subprocess
@@ -284,7 +288,10 @@ def _sbatch(command: str, args: list[str], env: Mapping[str, str]) -> tuple[str,
     except OSError as exc:
         raise Unavailable(f"cannot run {command}: {exc.strerror}") from None
     if done.returncode != 0:
-        reason = " ".join(done.stderr.split()) or f"exit status {done.returncode}"
+        # The job_submit plugin's word that the vault admitted the job comes before Slurm's
+        # own refusal (an unknown partition, say): the reason is Slurm's.
+        told = [line for line in done.stderr.splitlines() if _ADMITTED not in line]
+        reason = " ".join(" ".join(told).split()) or f"exit status {done.returncode}"
         raise FailedPrecondition(f"sbatch refused the job: {reason}")
     return done.stdout, done.stderr
 
