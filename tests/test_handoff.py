@@ -5,10 +5,12 @@ what a later authorised call may use, once."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from tests.conftest import StartVault
 from tests.services.vault_server import VaultServer
 from tests.test_access import Vault, vault  # noqa: F401  (the fixture)
 from vault.client import VaultClient, transfer
-from vault.client.handoff import HANDOFF_MIN, Mode, hand_off
+from vault.client.handoff import HANDOFF_MIN, Mode, PipedGet, hand_off
 from vault.errors import IntegrityError, InvalidArgument, PermissionDenied, Unavailable
 from vault.store.chunks import CHUNK_SIZE
 from vault.store.handoff import MAX_PARKED
@@ -351,3 +353,42 @@ def test_vault_put_and_get_of_a_file_past_the_handoff_size(
     target = tmp_path / "fetched.bin"
     vault_server.run("get", expected, "-o", str(target)).ok()
     assert target.read_bytes() == data
+
+
+class _HeldCall:
+    """The messages of a Get a hostile server keeps open after writing its pipe: no message
+    comes until the call is cancelled, which ends it as gRPC ends a cancelled call."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def __iter__(self) -> _HeldCall:
+        return self
+
+    def __next__(self) -> pb.GetResponse:
+        self.cancelled.wait(60)
+        raise StopIteration
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def test_a_get_given_up_cancels_its_call_so_no_thread_waits_on_a_server_that_holds_it() -> None:
+    """A handed-off get whose caller stops reading (an error writing its file, an interrupt)
+    must not leave the thread taking the call's messages blocked for as long as a hostile
+    server keeps the call open: closing the reader cancels the call."""
+    read_end, write_end = os.pipe()
+    call = _HeldCall()
+    try:
+        os.write(write_end, b"x" * 1024)
+        piped = PipedGet(read_end, call, 0, 4096, 1024, contextlib.nullcontext)
+        assert bytes(piped.next_chunk() or b"") == b"x" * 1024
+        taker = next(t for t in threading.enumerate() if t.name == "pinvault-get-messages")
+        piped.close()
+        taker.join(5)
+        assert call.cancelled.is_set()
+        assert not taker.is_alive()
+    finally:
+        call.cancel()
+        os.close(read_end)
+        os.close(write_end)

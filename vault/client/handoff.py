@@ -124,6 +124,7 @@ class PipedGet:
         errors: Callable[[], Any],
     ) -> None:
         self._fd = fd
+        self._messages = messages
         self._position = start
         self._end = end
         self._chunk_size = chunk_size
@@ -174,6 +175,13 @@ class PipedGet:
             raise
         self._position += size
         return data
+
+    def close(self) -> None:
+        """Cancel the call unless it has ended (a get given up, or a server that keeps the call
+        open past its pipe), so the thread taking its messages ends with it."""
+        cancel = getattr(self._messages, "cancel", None)
+        if cancel is not None and not self._ended.is_set():
+            cancel()
 
     def _finish(self, within: float) -> None:
         if not self._ended.wait(within):

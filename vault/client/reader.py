@@ -109,6 +109,13 @@ class BlobReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    def close(self) -> None:
+        # Also run when a reader whose header failed is collected: it may have no pipe yet.
+        piped = getattr(self, "_piped", None)
+        if piped is not None:
+            piped.close()
+        super().close()
+
     def _next_chunk(self) -> bool:
         if self._piped is not None:
             return self._next_piped(self._piped)

@@ -503,6 +503,7 @@ class Transfer:
             if ticket is None:
                 os.close(read_end)
                 read_end = None
+        reader = None
         try:
             request = pb.GetRequest(digest=str(wanted), handoff=ticket or "")
             with rpc_errors():
@@ -524,6 +525,8 @@ class Transfer:
             # Closed before the file is used: what the server writes after, it writes nowhere.
             if read_end is not None:
                 os.close(read_end)
+            if reader is not None:
+                reader.close()
         return info, start, count
 
 
