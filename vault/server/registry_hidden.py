@@ -18,6 +18,8 @@ CREATE TABLE IF NOT EXISTS registry_hidden_blobs (
     digest TEXT NOT NULL,
     PRIMARY KEY (repository, digest)
 )"""
+# The advisory lock key under which a server creates the table.
+_CREATING: Final = 7302017
 # Digests asked about in one query (a manifest names at most a few hundred).
 _QUERY_BATCH: Final = 500
 
@@ -28,6 +30,10 @@ class HiddenBlobs:
     def __init__(self, db: Database) -> None:
         self.db = db
         with db.write.begin() as conn:
+            if not db.is_sqlite:
+                # Servers starting together must not race to create the same table (as the
+                # placement record's tables, tiers/placements.py).
+                conn.execute(text(f"SELECT pg_advisory_xact_lock({_CREATING})"))
             conn.execute(text(_SCHEMA + (" WITHOUT ROWID" if db.is_sqlite else "")))
 
     def hide(self, repository: str, digest: str) -> None:
