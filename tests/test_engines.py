@@ -21,6 +21,7 @@ from tests.conftest import StartVault
 from tests.services.postgres import PostgresServer
 from tests.services.vault_server import VaultServer
 from vault.ledger.checkpoint import Verifier
+from vault.ledger.entry import INDEX
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
 
@@ -246,8 +247,14 @@ def test_two_servers_on_one_postgresql_keep_one_linear_ledger(
     for worker in workers:
         worker.join()
     assert errors == []
-    total = threads * pins_each
-    assert sorted(indexes.values()) == list(range(total))
+    # Between the pins, the `index` entries either server's writer appended for the subject
+    # map (one a commit that left INDEX_EVERY entries uncovered), each covering every entry
+    # before it: one linear ledger of both.
+    with first.client() as client:
+        maps = [(e.index, int(e.meta["covers"])) for e in client.log(kind=INDEX)]
+    assert maps and all(covers == index for index, covers in maps)
+    total = threads * pins_each + len(maps)
+    assert sorted([*indexes.values(), *(i for i, _ in maps)]) == list(range(total))
 
     verifier = Verifier.from_string(keys.pop().strip())
     roots = set()

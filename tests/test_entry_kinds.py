@@ -6,21 +6,33 @@ from __future__ import annotations
 import pytest
 
 from vault.errors import InvalidArgument
-from vault.ledger.entry import ALL_KINDS, KINDS, RELEASE, VAULT_KINDS, WITHDRAW, check_kind
+from vault.ledger.entry import (
+    ALL_KINDS,
+    INDEX,
+    KINDS,
+    RELEASE,
+    VAULT_KINDS,
+    WITHDRAW,
+    check_kind,
+)
 from vault.ledger.records import PinSpec
 
 
 def test_every_kind_is_a_callers_or_the_vaults_and_never_both() -> None:
-    assert set(VAULT_KINDS) == {RELEASE, WITHDRAW}
+    assert set(VAULT_KINDS) == {RELEASE, WITHDRAW, INDEX}
     assert not set(KINDS) & set(VAULT_KINDS)
-    assert (*KINDS, RELEASE, WITHDRAW) == ALL_KINDS
+    assert (*KINDS, RELEASE, WITHDRAW, INDEX) == ALL_KINDS
     for kind in KINDS:
         assert check_kind(kind) == kind
 
 
 @pytest.mark.parametrize(
     ("kind", "writer"),
-    [(RELEASE, "the vault's gc"), (WITHDRAW, "the vault's registry, for a DELETE")],
+    [
+        (RELEASE, "the vault's gc"),
+        (WITHDRAW, "the vault's registry, for a DELETE"),
+        (INDEX, "the ledger's writer, committing the subject map"),
+    ],
 )
 def test_a_kind_the_vault_writes_is_refused_to_a_caller(kind: str, writer: str) -> None:
     digest = "sha256:" + "ab" * 32

@@ -139,9 +139,11 @@ def test_a_reopened_ledger_proves_an_entry_against_a_checkpoint_signed_before(
 
     db, ledger = opened_ledger()
     ledger.append([_external(n) for n in range(300)])
-    kept = ledger.checkpoint(300).checkpoint
+    # 300 pins and the `index` entry their commit appends (vault.ledger.subject_map_store).
+    kept = ledger.checkpoint(301).checkpoint
+    assert kept.size == 301
     ledger.append([_external(n) for n in range(300, 904)])
-    ledger.checkpoint(904)
+    ledger.checkpoint(906)
     ledger.write_tiles()
     ledger.close()
     db.dispose()
@@ -150,13 +152,13 @@ def test_a_reopened_ledger_proves_an_entry_against_a_checkpoint_signed_before(
         assert ledger.fault is None
         # 290 first: the proof of an entry before tile 1 reads tile 1 whole (for the tree's
         # ragged edge), which the tree then keeps.
-        for index in (290, 256, 299, 3):
+        for index in (290, 256, 300, 3):
             body = ledger.entry(index).body
             verify_inclusion(
-                leaf_hash(body), index, 300, ledger.inclusion_proof(index, 300), kept.root
+                leaf_hash(body), index, 301, ledger.inclusion_proof(index, 301), kept.root
             )
-        for index, proof in ledger.inclusion_proofs(range(250, 300), 300).items():
-            verify_inclusion(leaf_hash(ledger.entry(index).body), index, 300, proof, kept.root)
+        for index, proof in ledger.inclusion_proofs(range(250, 301), 301).items():
+            verify_inclusion(leaf_hash(ledger.entry(index).body), index, 301, proof, kept.root)
     finally:
         ledger.close()
         db.dispose()
@@ -199,7 +201,7 @@ MORE = [sha256(b"more %d" % n) for n in range(600)]
 @dataclass(frozen=True)
 class Restarted:
     server: VaultServer
-    # A checkpoint of the first 300 entries, as a client kept it from before the restart.
+    # A checkpoint of the first 301 entries, as a client kept it from before the restart.
     kept: Checkpoint
     bodies: dict[int, bytes]
     blob: BlobInfo
@@ -230,7 +232,7 @@ def published(server: VaultServer, size: int) -> None:
 def restarted(
     clean_environment: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Restarted]:
-    """A server of 904 entries restarted once their tiles are on disk: it then holds the
+    """A server of 906 entries restarted once their tiles are on disk: it then holds the
     nodes below height 8 of entries 0 to 767 only in its tiles."""
     with VaultServer(tmp_path_factory.mktemp("vault")) as server:
         with server.client() as client:
@@ -246,8 +248,10 @@ def restarted(
             bodies = {
                 e.index: e.body for e in ledger.Log(pb.LogRequest(start=0, limit=1000)).entries
             }
-        assert kept.size == 300 and len(bodies) == 904
-        published(server, 904)
+        # Each batch's commit also appended an `index` entry, after its pins: at 300 and 905.
+        assert kept.size == 301 and len(bodies) == 906
+        assert [i for i, body in bodies.items() if b'"kind":"index"' in body] == [300, 905]
+        published(server, 906)
         server.restart()
         yield Restarted(server, kept, bodies, blob)
 
@@ -292,26 +296,26 @@ def test_a_batch_look_up_answers_what_single_look_ups_answer(restarted: Restarte
         found = client.lookup_many([FIRST, *KEPT, *MORE, SECOND, SHARED, BOTH])
     assert [p.entry.index for d in KEPT + MORE for p in found[d]] == [
         *range(300),
-        *range(300, 600),
-        *range(604, 904),
+        *range(301, 601),
+        *range(605, 905),
     ]
     assert {d: [p.entry.index for p in found[d]] for d in (FIRST, SECOND, SHARED, BOTH)} == {
-        FIRST: [600],
-        SECOND: [600],
-        SHARED: [601, 602],
-        BOTH: [602],
+        FIRST: [601],
+        SECOND: [601],
+        SHARED: [602, 603],
+        BOTH: [603],
     }
 
 
 def test_proofs_against_a_checkpoint_kept_from_before_the_restart_verify(
     restarted: Restarted,
 ) -> None:
-    # Entries 256 to 511 are one tile the server let go of; the tree of 300 ends inside it.
+    # Entries 256 to 511 are one tile the server let go of; the tree of 301 ends inside it.
     kept = restarted.kept
     with grpc.insecure_channel(restarted.server.address) as channel:
         ledger = rpc.LedgerStub(channel)
-        for index in (290, 256, 299, 255, 3):
-            proof = ledger.GetInclusionProof(pb.InclusionProofRequest(index=index, size=300))
+        for index in (290, 256, 300, 255, 3):
+            proof = ledger.GetInclusionProof(pb.InclusionProofRequest(index=index, size=301))
             body = restarted.bodies[index]
             verify_inclusion(leaf_hash(body), index, kept.size, proof.hashes, kept.root)
 

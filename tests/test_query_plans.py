@@ -24,6 +24,7 @@ from vault.digest import digest_key
 from vault.ledger.db import Database, Writer, listing, open_database
 from vault.ledger.log import QUERY_BATCH
 from vault.ledger.subject_index import index_queries, runs_folder
+from vault.ledger.subject_map_store import SUBJECT_ROWS, MapReader
 from vault.server.content import (
     _QUERY_BATCH,
     FIND,
@@ -351,3 +352,35 @@ def test_vault_log_reads_entries_by_index_or_index_of_its_filter(
         assert any(step.startswith("SEARCH entries") for step in plan), plan
     else:
         assert_postgres_uses_indexes(postgres_plan(db, str(statement)))
+
+
+# -- the subject map ---------------------------------------------------------------------------
+
+
+def test_a_look_ups_proof_reads_the_newest_index_entry_and_its_buckets_by_key(
+    ledger: Ledger,
+) -> None:
+    """MapReader's one statement: the newest `index` entry by the kind's index, the buckets
+    changed since its tree by the epoch's index, the keys' buckets by their key; and the
+    writer's read of a step's subject rows by index."""
+    db = ledger.db
+    reader = MapReader(db.fetch)
+    keys = [hashlib.sha256(digest_key(d)).digest() for d in ledger.pinned[:500]]
+    sql, params = reader._statement(sorted({(k[0] << 8) | k[1] for k in keys}))
+    statements = [(sql, params), (SUBJECT_ROWS, (PINS // 2, PINS // 2 + 1000))]
+    for sql, params in statements:
+        if db.is_sqlite:
+            plan = sqlite_plan(db, sql, params)
+            assert_sqlite_uses_indexes(plan, {})
+            assert not any(
+                step.startswith("SCAN") and "subject_map_buckets" in step for step in plan
+            ), plan
+            if "UNION" in sql:
+                assert any("ix_entries_kind" in step for step in plan), plan
+                assert any("ix_subject_map_buckets_epoch" in step for step in plan), plan
+        else:
+            plan = postgres_plan(db, sql, params, batch=True)
+            assert_postgres_uses_indexes(plan)
+            assert not any(
+                s.relation == "subject_map_buckets" and s.node == "Seq Scan" for s in plan
+            ), plan

@@ -26,6 +26,7 @@ from vault.ledger.db import Database, open_database
 from vault.ledger.log import Ledger
 from vault.ledger.records import PinSpec
 from vault.ledger.sequencer import MAX_BATCH
+from vault.ledger.subject_map_store import INDEX_EVERY
 from vault.server.tiles_http import TilesServer
 
 ORIGIN = "tiles.test/integrity"
@@ -69,6 +70,8 @@ def _open(data: Path, key: SigningKey, *, check_every: float = 3600.0) -> Vault:
         last_signed=data / "last-checkpoint",
         tiles=data / "tiles",
         tiles_check_interval=check_every,
+        # A ledger of exactly the entries appended: no `index` entries among them.
+        index_every=None,
     )
     # Until the checkpointer's first pass, a signing leaves its tiles to that pass.
     deadline = time.monotonic() + 10
@@ -219,9 +222,9 @@ def test_vault_verify_names_a_damaged_tile_and_a_restart_writes_it_again(
     start_vault: StartVault,
 ) -> None:
     vault = start_vault(serve_args=("--metrics-port", "0"))
-    tiles = _published_300(vault)
+    tiles, size = _published_300(vault)
     checked = vault.run("verify", "--tiles", str(tiles)).ok().stdout.splitlines()[-1]
-    assert re.fullmatch(r"tiles OK: \d+ files of the checkpoint of size 300", checked), checked
+    assert re.fullmatch(rf"tiles OK: \d+ files of the checkpoint of size {size}", checked), checked
     bundle = tiles / "tile/entries/000"
     good = bundle.read_bytes()
     _flip(bundle, 300)
@@ -253,8 +256,9 @@ def test_a_tile_damaged_under_a_running_server_is_served_as_the_tree_holds_it(
     (url,) = [
         line.split(" at ", 1)[1] for line in vault.banner if "tiles (C2SP tlog-tiles)" in line
     ]
-    tiles = _published_300(vault)
-    paths = ["tile/0/000", "tile/entries/000", "tile/0/001.p/44", "tile/entries/001.p/44"]
+    tiles, size = _published_300(vault)
+    edge = size - 256
+    paths = ["tile/0/000", "tile/entries/000", f"tile/0/001.p/{edge}", f"tile/entries/001.p/{edge}"]
     good = {}
     for path in paths:
         with urllib.request.urlopen(url + path, timeout=10) as response:
@@ -269,17 +273,20 @@ def test_a_tile_damaged_under_a_running_server_is_served_as_the_tree_holds_it(
         assert f"ledger tile {path} is damaged on disk" in vault.log()
 
 
-def _published_300(vault: VaultServer) -> Path:
-    """Pin 300 entries through `vault` and wait for the checkpoint of 300 to be published with
-    its tiles; the tile folder."""
+def _published_300(vault: VaultServer) -> tuple[Path, int]:
+    """Pin 300 entries through `vault` and wait for the checkpoint of all of them (and of the
+    `index` entries the writer appended among them: one every INDEX_EVERY) to be published
+    with its tiles; the tile folder and that size."""
     with vault.client() as client:
         for n in range(300):
-            client.pin("config", f"sha256:{n:064x}", external=True)
+            last = client.pin("config", f"sha256:{n:064x}", external=True)
+    size = last.entry.index + 1
+    assert size == 300 + 300 // INDEX_EVERY
     tiles = vault.data_dir / "tiles"
     deadline = time.monotonic() + 30
-    while "\n300\n" not in _text(tiles / "checkpoint") and time.monotonic() < deadline:
+    while f"\n{size}\n" not in _text(tiles / "checkpoint") and time.monotonic() < deadline:
         time.sleep(0.1)
-    return tiles
+    return tiles, size
 
 
 def _text(path: Path) -> str:
@@ -314,6 +321,7 @@ def test_a_tampered_ledger_is_logged_in_one_line_not_every_interval(
         last_signed=tmp_path / "last-checkpoint",
         tiles=tmp_path / "tiles",
         tiles_check_interval=0.02,
+        index_every=None,
     )
     with _closing(Vault(tmp_path, key, db, ledger)):
         assert ledger.fault is not None

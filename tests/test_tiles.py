@@ -121,6 +121,8 @@ def _open(
         tiles=data / "tiles" if tiles else None,
         # No background check: these tests see how each path finds a damaged tile.
         tiles_check_interval=None,
+        # A ledger of exactly the entries appended: no `index` entries among them.
+        index_every=None,
     )
     return db, ledger
 

@@ -29,6 +29,7 @@ from vault.digest import digest_from_key
 from vault.errors import NotFound
 from vault.ledger.checkpoint import SigningKey
 from vault.ledger.db import SCHEMA_VERSION
+from vault.ledger.entry import INDEX
 
 DATA = Path(__file__).parent / "data"
 ENV = {"PINVAULT_LEDGER_ORIGIN": "upgrade.test/ledger"}
@@ -77,7 +78,12 @@ def _stored_as(db: Path) -> tuple[set[type], str]:
 
 @pytest.mark.parametrize(
     ("schema", "stored"),
-    [(3, ({str}, "BIGINT")), (4, ({bytes}, "BIGINT")), (5, ({bytes}, "INTEGER"))],
+    [
+        (3, ({str}, "BIGINT")),
+        (4, ({bytes}, "BIGINT")),
+        (5, ({bytes}, "INTEGER")),
+        (6, ({bytes}, "INTEGER")),
+    ],
 )
 def test_a_vault_of_an_earlier_release_is_upgraded_and_verifies(
     start_vault: StartVault, tmp_path: Path, schema: int, stored: tuple[set[type], str]
@@ -116,6 +122,10 @@ def test_a_vault_of_an_earlier_release_is_upgraded_and_verifies(
         assert [e.entry.index for e in client.lookup(f"sha256:{299:064x}")] == [SIZE - 1]
         with pytest.raises(NotFound, match="no entry pins"):
             client.lookup(f"sha256:{300:064x}")
+        # The release before kept no subject map: the first look-up had the writer build it
+        # from the entries, and commit it in an `index` entry after them.
+        (built,) = client.log(kind=INDEX)
+        assert (built.index, built.meta["covers"]) == (SIZE, str(SIZE))
         client.pin("config", f"sha256:{300:064x}", external=True)
     assert server.stop() == 0
 
@@ -162,7 +172,7 @@ def test_a_vault_of_an_earlier_release_is_upgraded_and_verifies(
     again = start_vault("again", data_dir=data, env=ENV)
     verified = again.run("verify")
     assert verified.returncode == 0, verified.describe()
-    assert f"{SIZE + 1} entries" in verified.stdout, verified.describe()
+    assert f"{SIZE + 2} entries" in verified.stdout, verified.describe()
 
 
 def test_an_upgrade_without_room_for_its_copy_changes_nothing_and_says_so(

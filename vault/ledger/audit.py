@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from vault.errors import VerificationError
-from vault.ledger.entry import FORMAT_VERSION, ZERO_HASH
+from vault.ledger.entry import FORMAT_VERSION, INDEX, ZERO_HASH
 from vault.ledger.merkle import CompactRange
 from vault.ledger.records import RawEntry
+from vault.ledger.subject_map import MapPart, audit_map
 
 if TYPE_CHECKING:
     # Only the Auditor's caller opens checkpoints; a chunk's worker process never needs
@@ -94,6 +95,9 @@ class Auditor:
         self._range = CompactRange()
         self._prev = ZERO_HASH
         self._roots: dict[int, list[Checkpoint]] = {}
+        # The subject map's parts, in index order: the chunks' and then the rows fed here.
+        self._map_parts: list[MapPart] = []
+        self._own_part: MapPart | None = None
         for note in notes:
             self.report.checkpoints += 1
             try:
@@ -134,6 +138,10 @@ class Auditor:
         sha256 = hashlib.sha256
         append = self._range.append
         report = self.report
+        if self._own_part is None or self._map_parts[-1] is not self._own_part:
+            self._own_part = MapPart()
+            self._map_parts.append(self._own_part)
+        part = self._own_part
         for row in rows:
             n = report.entries
             if row.index != n:
@@ -159,6 +167,9 @@ class Auditor:
             )
             append(leaf)
             self._prev = leaf
+            part.add(n, row.subjects)
+            if row.kind == INDEX:
+                part.add_index_entry(n, _meta_of(body))
             report.entries = n + 1
             if self._roots:
                 self._check_roots(n + 1)
@@ -187,6 +198,7 @@ class Auditor:
             list(first.subjects),
         )
         self.report.failures.extend(chunk.failures)
+        self._map_parts.append(chunk.subject_map)
         for size, leaves, nodes in chunk.ranges:
             checkpoints = self._roots.pop(size, ())
             if not checkpoints:
@@ -224,7 +236,18 @@ class Auditor:
                 "(the ledger was truncated)",
             )
         self._roots.clear()
+        for index, message in audit_map(self._map_parts):
+            self._fail(index, message)
         return self.report
+
+
+def _meta_of(body: bytes) -> dict[str, str]:
+    """An `index` entry's meta, or nothing if its body has none to read (its own check fails)."""
+    try:
+        meta = _decode_entry(body).get("meta")
+    except (ValueError, AttributeError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def _last_index(size: int) -> int:
@@ -350,6 +373,8 @@ class ChunkResult:
     nodes: tuple[bytes, ...]
     ranges: list[tuple[int, int, tuple[bytes, ...]]]
     failures: list[Failure]
+    # Each subject of the chunk's rows, and its `index` entries (its first row's too).
+    subject_map: MapPart
 
 
 class ChunkAudit:
@@ -368,6 +393,7 @@ class ChunkAudit:
         self._next = start
         self._prev = ZERO_HASH
         self._ranges: list[tuple[int, int, tuple[bytes, ...]]] = []
+        self._map = MapPart()
 
     def _fail(self, index: int, message: str) -> None:
         self._failures.append(Failure(index, message))
@@ -402,6 +428,7 @@ class ChunkAudit:
         scan = _SCAN
         quote = _QUOTE
         fail = self._fail
+        add_subjects = self._map.add
         sizes = self._sizes
         start, end = self.start, self.end
         leaves: list[bytes] = []
@@ -426,6 +453,9 @@ class ChunkAudit:
                 continue
             body = bodies[i]
             leaf = sha256(b"\x00" + body).digest()
+            add_subjects(index, row_subjects)
+            if kinds[i] == INDEX:
+                self._map.add_index_entry(index, _meta_of(body))
             if self._first is None:
                 # Checked by the Auditor, which knows the hash of the entry before it.
                 n = index
@@ -509,4 +539,5 @@ class ChunkAudit:
             nodes=self._range.nodes(),
             ranges=self._ranges,
             failures=self._failures,
+            subject_map=self._map,
         )

@@ -47,7 +47,7 @@ from vault.ledger.subject_index import (
 )
 from vault.sql import is_sqlite, server_engine, sqlite_engine
 
-SCHEMA_VERSION: Final = 6
+SCHEMA_VERSION: Final = 7
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,17 @@ tokens = Table(
     Column("role", Text, nullable=False),
     Column("created", Text, nullable=False),
     Column("revoked", Text, nullable=True),
+)
+
+# Schema 7: the subject map's buckets (vault.ledger.subject_map_store). Derived from the
+# entries, and rewritten as they are added to: `vault verify` rebuilds them.
+subject_map_buckets = Table(
+    "subject_map_buckets",
+    metadata,
+    Column("bucket", Integer, primary_key=True, autoincrement=False),
+    Column("records", LargeBinary, nullable=False),
+    Column("root", LargeBinary, nullable=False),
+    Column("epoch", BigInteger, nullable=False, index=True),
 )
 
 _IMMUTABLE = ("entries", "entry_subjects", "checkpoints")
@@ -440,6 +451,27 @@ class Transaction:
                 [value for row in part for value in row],
             )
 
+    def upsert(self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        """`insert` of rows that replace the other columns of any row with the same first
+        column (the table's key)."""
+        if not rows:
+            return
+        names = ", ".join(columns)
+        group = f"({placeholders(len(columns))})"
+        tail = f" ON CONFLICT ({columns[0]}) DO UPDATE SET " + ", ".join(
+            f"{c} = excluded.{c}" for c in columns[1:]
+        )
+        if not self._sqlite:
+            self.many(f"INSERT INTO {table} ({names}) VALUES {group}{tail}", rows)
+            return
+        per = max(1, _SQLITE_BOUND_VALUES // len(columns))
+        for start in range(0, len(rows), per):
+            part = rows[start : start + per]
+            self._cursor.execute(
+                f"INSERT INTO {table} ({names}) VALUES {','.join([group] * len(part))}{tail}",
+                [value for row in part for value in row],
+            )
+
 
 class _Checkpoints:
     """Copies SQLite's write-ahead log back into the database file on a thread of its own,
@@ -712,6 +744,12 @@ def _add_schema_6(conn: Connection) -> None:
     _sqlite_subject_layout(conn)
 
 
+def _add_schema_7(conn: Connection) -> None:
+    """Schema 7: the subject map's table, empty; the writer's first commits fill it from
+    `entry_subjects` and append the first `index` entry. Nothing written before is touched."""
+    metadata.create_all(conn, tables=[subject_map_buckets])
+
+
 def _sqlite_subject_layout(conn: Connection) -> None:
     if conn.dialect.name != "sqlite":
         return
@@ -898,4 +936,5 @@ UPGRADES: dict[int, Callable[[Connection], None]] = {
     4: _add_schema_4,
     5: _add_schema_5,
     6: _add_schema_6,
+    7: _add_schema_7,
 }

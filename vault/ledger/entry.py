@@ -26,10 +26,14 @@ RELEASE: Final = "release"
 # The kind of the entry by which the vault's registry records a DELETE of a manifest or a tag:
 # the name is withdrawn from a repository, the `image` pin and the bytes stay (docs/registry.md).
 WITHDRAW: Final = "withdraw"
+# The kind of the entry by which the ledger's writer commits the subject map's root: which
+# entries name each digest, so that a look-up proves its answer complete (vault.ledger.subject_map).
+INDEX: Final = "index"
 # The kinds the vault writes itself, never pinned by a caller, and what writes each.
 VAULT_KINDS: Final = {
     RELEASE: "the vault's gc (vault gc)",
     WITHDRAW: "the vault's registry, for a DELETE of a manifest or tag",
+    INDEX: "the ledger's writer, committing the subject map",
 }
 # Every kind an entry may have.
 ALL_KINDS: Final = (*KINDS, *VAULT_KINDS)

@@ -51,9 +51,16 @@ from vault.ledger.sequencer import (
     commits,
     fields,
     settle_all,
-    write_entries,
+    write_commit,
 )
 from vault.ledger.subject_index import FOLD_ROWS
+from vault.ledger.subject_map_store import (
+    INDEX_EVERY,
+    LATEST_INDEX,
+    MapReader,
+    MapWriter,
+    read_index,
+)
 from vault.ledger.tile_nodes import TileNodesFile
 from vault.ledger.tiles import TILE_HEIGHT, ServedTiles, Tile, TileStore
 
@@ -134,6 +141,7 @@ class Ledger:
         tiles: Path | None = None,
         tiles_check_interval: float | None = TILES_CHECK_INTERVAL,
         writer: bool = True,
+        index_every: int | None = INDEX_EVERY,
     ) -> None:
         """`last_signed`: a file outside the database where the server keeps the last
         checkpoint it signed; at start the stored entries must agree with it. `tiles`: the
@@ -141,7 +149,10 @@ class Ledger:
         file in it checked against the tree at start and every `tiles_check_interval` seconds
         (None: only as the tiles endpoint serves them). `writer`: whether a thread of this
         process writes the appends; without it, appends wait for the link to a sequencer
-        process (`attach`)."""
+        process (`attach`). `index_every`: how many uncovered entries make this process's
+        writer bring the subject map up to date in a commit (None: only when a look-up asks,
+        which a test of the tree alone uses to hold a ledger of exactly the entries it
+        appended; a vault's sequencer always keeps the map)."""
         self.db = db
         self.last_signed = None if last_signed is None else LastSigned(last_signed)
         self.tiles = None if tiles is None else TileStore(tiles)
@@ -176,6 +187,10 @@ class Ledger:
             reserve=LEDGER_RESERVE,
             fold_rows=fold_rows if writer else None,
         )
+        # The subject map: brought up to the head by this server's writer (when it writes),
+        # and what this server proves look-ups complete from.
+        self._map = MapWriter(index_every)
+        self.subject_map = MapReader(db.fetch)
         # A ledger that fails its check still starts, so that an auditor can read it and
         # `vault verify` can say where it broke; appends and proofs past the break are refused.
         self.fault: VerificationError | None = None
@@ -303,12 +318,17 @@ class Ledger:
         return results
 
     def _insert(self, batch: Sequence[Waiting]) -> list[list[StoredEntry]]:
-        with self._writer_db.begin() as tx:
-            ((size, last),) = tx.all(HEAD + ("" if self.db.is_sqlite else " FOR UPDATE"))
-            last = bytes(last)
-            self._catch_up(tx.all, size, last)
-            groups = [[fields(pin) for pin in request.pins] for request in batch]
-            bodies, leaves = write_entries(tx, groups, size, last)
+        try:
+            with self._writer_db.begin() as tx:
+                ((size, last),) = tx.all(HEAD + ("" if self.db.is_sqlite else " FOR UPDATE"))
+                last = bytes(last)
+                self._catch_up(tx.all, size, last)
+                groups = [[fields(pin) for pin in request.pins] for request in batch]
+                bodies, leaves = write_commit(tx, groups, size, last, self._map)
+        except BaseException:
+            self._map.failed()
+            raise
+        self._map.committed()
         # Committed: only now do the new leaves become part of what this server proves.
         self._tree.extend(leaves)
         results: list[list[StoredEntry]] = []
@@ -710,6 +730,30 @@ class Ledger:
         while not self._closed.wait(interval):
             self._guarded(self._checkpoint_step)
 
+    def _index_due(self) -> bool:
+        """Whether the newest entry is not an `index` entry covering every entry before it."""
+        size = self.sync()
+        if size == 0:
+            return False
+        rows = self.db.fetch(LATEST_INDEX)
+        return not (
+            rows and int(rows[0][0]) == size - 1 and read_index(bytes(rows[0][1]))[0] == size - 1
+        )
+
+    async def index_tick_async(self) -> None:
+        """Have the writer bring the subject map up to the head, if the newest entry is not an
+        `index` entry covering every entry before it. Appends bring it up themselves every
+        INDEX_EVERY entries; a look-up that finds many more uncovered (an upgraded ledger's
+        first) asks for this."""
+        if not self._index_due():
+            return
+        if self._link is not None:
+            await self._link.append([])
+        elif self._writer is not None:
+            waiter: asyncio.Future[list[StoredEntry]] = asyncio.get_running_loop().create_future()
+            self._queue.put(Waiting([], waiter))
+            await waiter
+
     def _checkpoint_step(self) -> None:
         if self.sync() > (self._latest.size if self._latest else -1):
             self.checkpoint(self._tree.size)
@@ -781,6 +825,11 @@ class Ledger:
         only, if given."""
         rows = self.db.naming("e.idx, e.body", [digest_key(digest)], limit=limit)
         return [StoredEntry(idx, bytes(body)) for idx, body in rows]
+
+    def entries_between(self, start: int, end: int) -> list[StoredEntry]:
+        """The entries at indexes `start` to `end` (excluded), in order."""
+        rows = self.db.fetch(_READ_BODIES, (start, end))
+        return [StoredEntry(index, bytes(body)) for index, (body,) in enumerate(rows, start)]
 
     def entries_for(self, digests: Iterable[str]) -> dict[str, list[StoredEntry]]:
         """Entries naming each digest, in index order."""

@@ -28,10 +28,12 @@ from vault import errors
 from vault.digest import digest_key
 from vault.errors import ResourceExhausted, Unavailable, VaultError, VerificationError
 from vault.ledger.db import LEDGER_RESERVE, Database, Transaction, Writer
-from vault.ledger.entry import encode_fields, now
+from vault.ledger.entry import INDEX, encode_fields, now
 from vault.ledger.merkle import leaf_hash
 from vault.ledger.records import PinSpec, StoredEntry
 from vault.ledger.subject_index import FOLD_ROWS
+from vault.ledger.subject_map_store import AUTHOR as MAP_AUTHOR
+from vault.ledger.subject_map_store import MapWriter
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,32 @@ def write_entries(
     return bodies, leaves
 
 
+def write_commit(
+    tx: Transaction,
+    groups: Sequence[Sequence[PinFields]],
+    size: int,
+    prev: bytes,
+    subject_map: MapWriter,
+) -> tuple[list[bytes], list[bytes]]:
+    """`write_entries`, then, when the subject map is due, its rows brought up to the new head
+    and the `index` entry committing its root appended after the commit's own entries (no
+    appender waits for it: it is the last body and leaf returned, which no request counts)."""
+    bodies, leaves = write_entries(tx, groups, size, prev)
+    end = size + len(leaves)
+    # An append of no entries is a look-up's request for an `index` entry
+    # (`Ledger.index_tick_async`).
+    if subject_map.due(end) or not leaves:
+        meta = subject_map.step(tx, end)
+        if meta is not None:
+            last = leaves[-1] if leaves else prev
+            more, more_leaves = write_entries(
+                tx, [[(INDEX, (), MAP_AUTHOR, meta, False)]], end, last
+            )
+            bodies += more
+            leaves += more_leaves
+    return bodies, leaves
+
+
 def _frame(payload: bytes) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
 
@@ -200,6 +228,7 @@ class Sequencer:
             db, checkpoints_aside=True, reserve=LEDGER_RESERVE, fold_rows=fold_rows
         )
         self._queue: queue.SimpleQueue[list[PinFields] | None] = queue.SimpleQueue()
+        self._map = MapWriter()
         # The head this sequencer last wrote: a head found otherwise at the next commit was
         # moved by another server (PostgreSQL), which left a chain that must still join up.
         ((size, last),) = db.fetch(HEAD)
@@ -242,12 +271,17 @@ class Sequencer:
                 return  # the server is gone
 
     def _commit(self, batch: Sequence[Sequence[PinFields]]) -> tuple[int, list[bytes], list[bytes]]:
-        with self._writer.begin() as tx:
-            ((size, last),) = tx.all(HEAD + ("" if self.db.is_sqlite else " FOR UPDATE"))
-            size, last = int(size), bytes(last)
-            if (size, last) != self._known:
-                self._check_join(tx, size, last)
-            bodies, leaves = write_entries(tx, batch, size, last)
+        try:
+            with self._writer.begin() as tx:
+                ((size, last),) = tx.all(HEAD + ("" if self.db.is_sqlite else " FOR UPDATE"))
+                size, last = int(size), bytes(last)
+                if (size, last) != self._known:
+                    self._check_join(tx, size, last)
+                bodies, leaves = write_commit(tx, batch, size, last, self._map)
+        except BaseException:
+            self._map.failed()
+            raise
+        self._map.committed()
         self._known = (size + len(leaves), leaves[-1] if leaves else last)
         return size, bodies, leaves
 
