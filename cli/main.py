@@ -285,7 +285,7 @@ def cmd_lookup(args: argparse.Namespace, config: Config) -> int:
     for p in found:
         print(_entry_line(p.entry))
     root = base64.b64encode(checkpoint.root).decode()
-    print(f"verified: inclusion in checkpoint size {checkpoint.size} root {root}")
+    print(f"verified: inclusion and completeness in checkpoint size {checkpoint.size} root {root}")
     return 0
 
 

@@ -482,7 +482,9 @@ def test_lookup_prints_entries_verified_against_a_checkpoint_it_keeps(
     assert [line.split()[:3] for line in lines[1:3]] == [
         [str(e.index), e.time, e.kind] for e in pins
     ]
-    match = re.fullmatch(r"verified: inclusion in checkpoint size (\d+) root (\S+)", lines[3])
+    match = re.fullmatch(
+        r"verified: inclusion and completeness in checkpoint size (\d+) root (\S+)", lines[3]
+    )
     assert match is not None, lines
     size, root = int(match.group(1)), base64.b64decode(match.group(2))
     assert size > pins[-1].index

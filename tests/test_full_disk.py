@@ -40,7 +40,10 @@ def writes_are_refused(server: VaultServer, blob: Path) -> None:
 def reads_are_served(server: VaultServer, kept: bytes) -> None:
     assert server.run("get", sha256(kept)).ok().output == kept
     lookup = server.run("lookup", sha256(kept)).ok().stdout
-    assert "artefact" in lookup and "verified: inclusion in checkpoint size 1" in lookup
+    assert (
+        "artefact" in lookup
+        and "verified: inclusion and completeness in checkpoint size 1" in lookup
+    )
     assert server.run("checkpoint").ok().stdout.splitlines()[1] == "1"
 
 

@@ -27,6 +27,15 @@ from google.protobuf.message import Message
 from vault.wire import pinvault_pb2 as pb
 
 UnaryRule = Callable[[Any, Any], Any]
+
+
+class Abort:
+    """What a unary rule returns to answer with an error status instead of a message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self.code, self.details = code, details
+
+
 StreamRule = Callable[[Any, Iterator[Any]], Iterator[Any]]
 
 
@@ -142,7 +151,10 @@ class TamperingProxy:
                 except grpc.RpcError as exc:
                     failed(context, exc)
                 rule = self._rule(name)
-                return rule(request, answer) if rule else answer
+                told = rule(request, answer) if rule else answer
+                if isinstance(told, Abort):
+                    context.abort(told.code, told.details)
+                return told
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, decode_request, encode_answer)
 

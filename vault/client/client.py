@@ -15,12 +15,20 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Final
 
 from vault.client.channel import Credentials, open_channel, rpc_errors, with_default_port
+from vault.client.complete import check_complete, check_tail
 from vault.client.proofs import check_inclusion, check_proven, names_any, not_about
 from vault.client.results import Admission, BlobInfo, ProvenEntry, PutResult, Stat
 from vault.client.state import LedgerStates, StateFile, TrustState
 from vault.client.trust import DEFAULT_MAX_WITNESS_AGE
 from vault.digest import Digest
-from vault.errors import IntegrityError, InvalidArgument, NotFound, VaultError, VerificationError
+from vault.errors import (
+    FailedPrecondition,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    VaultError,
+    VerificationError,
+)
 from vault.ledger.checkpoint import Checkpoint, Verifier
 from vault.ledger.cosignature import Cosignature, WitnessPolicy
 from vault.ledger.entry import Entry
@@ -454,14 +462,28 @@ class VaultClient:
         `_about` for a blake3 alias)."""
         wanted = Digest.parse(digest)
         known = self._trust.known_size()
-        with rpc_errors():
-            response = self.ledger.Lookup(
-                pb.LookupRequest(digest=str(wanted), known_size=known), timeout=self.timeout
-            )
+        try:
+            with rpc_errors():
+                response = self.ledger.Lookup(
+                    pb.LookupRequest(digest=str(wanted), known_size=known), timeout=self.timeout
+                )
+        except NotFound as exc:
+            # The vault answers a digest never pinned with a proof of it, never with an error.
+            raise VerificationError(
+                f"the vault said {wanted} is not pinned without proving it: {exc}"
+            ) from None
         checkpoint = self._trust.accept(
             response.checkpoint.note, list(response.consistency.hashes), known
         )
-        return self._about(wanted, [check_proven(p, checkpoint) for p in response.entries])
+        tail = check_tail(response.map, checkpoint)
+        entries = self._about(wanted, [check_proven(p, checkpoint) for p in response.entries])
+        check_complete(str(wanted), entries, response.proof, tail)
+        if not entries:
+            raise NotFound(
+                f"no entry pins {wanted} (proven for the {checkpoint.size} entries of the "
+                "signed ledger)"
+            )
+        return entries
 
     def lookup_many(self, digests: Sequence[str]) -> dict[str, list[ProvenEntry]]:
         """`lookup` of many digests in one call: each digest as given, to its entries."""
@@ -479,15 +501,16 @@ class VaultClient:
             raise VerificationError(
                 f"asked about {len(wanted)} digests, the vault answered {len(response.results)}"
             )
+        tail = check_tail(response.map, checkpoint)
         found: dict[str, list[ProvenEntry]] = {}
         for asked, digest, result in zip(digests, wanted, response.results, strict=True):
             if result.digest != str(digest):
                 raise VerificationError(
                     f"asked about {digest}, the vault answered about {result.digest!r}"
                 )
-            found[asked] = self._about(
-                digest, [check_proven(p, checkpoint) for p in result.entries]
-            )
+            entries = self._about(digest, [check_proven(p, checkpoint) for p in result.entries])
+            check_complete(str(digest), entries, result.proof, tail)
+            found[asked] = entries
         return found
 
     def _about(self, wanted: Digest, entries: list[ProvenEntry]) -> list[ProvenEntry]:
@@ -562,11 +585,17 @@ class VaultClient:
             author=self.author,
             known_size=known,
         )
-        with rpc_errors():
-            response = self.admission.Admit(request, timeout=self.timeout)
+        try:
+            with rpc_errors():
+                response = self.admission.Admit(request, timeout=self.timeout)
+        except FailedPrecondition as exc:
+            if " is not pinned as " in str(exc):
+                self._prove_inputs(inputs, exc)
+            raise
         checkpoint = self._trust.accept(
             response.checkpoint.note, list(response.consistency.hashes), known
         )
+        self._prove_inputs(inputs, None)
         # The run's inputs document is these inputs plus the nonce the vault chose when it
         # first admitted the run (none for runs admitted before nonces); the run id is its digest.
         try:
@@ -598,6 +627,28 @@ class VaultClient:
             response.team,
             response.image_blobs,
         )
+
+    def _prove_inputs(self, inputs: RunInputs, refusal: FailedPrecondition | None) -> None:
+        """Check what the vault said of a job's inputs against complete look-ups: once it
+        admitted the job, each input must be proven pinned as its role; once it refused one
+        as not pinned, no entry may pin it so (the refusal then stands as proven)."""
+        roles = [("image", inputs.image), ("dataset", inputs.dataset)]
+        if inputs.config:
+            roles.append(("config", inputs.config))
+        found = self.lookup_many([digest for _, digest in roles])
+        for role, digest in roles:
+            pins = [p.entry.index for p in found[digest] if p.entry.kind == role]
+            article = "an" if role == "image" else "a"
+            if refusal is None and not pins:
+                raise VerificationError(
+                    f"the vault admitted the job, but no entry of the signed ledger pins its "
+                    f"{role} {digest} as {article} {role}"
+                )
+            if refusal is not None and pins and f"{role} {digest} is not pinned" in str(refusal):
+                raise VerificationError(
+                    f"the vault refused the job saying its {role} {digest} is not pinned, but "
+                    f"entry {pins[0]} pins it as {article} {role}"
+                )
 
     def release_replay(self, lease: str, *, team: str = "") -> None:
         """Give a replay's slot back; NotFound if the lease is unknown or expired."""

@@ -6,20 +6,24 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Final
+from hashlib import sha256
+from typing import Any, Final, TypeVar
 
-from vault.digest import Digest, check_digest, is_sha256
+from vault.digest import Digest, check_digest, digest_key, is_sha256
 from vault.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    Unavailable,
     VaultError,
 )
 from vault.ledger.entry import time_bound
 from vault.ledger.log import Ledger
 from vault.ledger.merkle import items_root
 from vault.ledger.records import LogFilter, PinSpec, SignedCheckpoint, StoredEntry
+from vault.ledger.subject_map import KeyProof
+from vault.ledger.subject_map_store import INDEX_EVERY
 from vault.server.admission import ADMITTED, TEAM, Runs
 from vault.server.auth import Identity, caller
 from vault.server.content import Content, StoredBlob
@@ -31,6 +35,10 @@ from vault.wire import pinvault_pb2_grpc as rpc
 
 MAX_LOG_PAGE: Final = 1000
 MAX_LOOKUP_BATCH: Final = 100_000
+# The most entries a look-up's answer carries after what the subject map covers: more means the
+# map is catching up (an upgraded ledger's first), and the look-up is asked to retry.
+MAX_TAIL: Final = 20_000
+_ATTEMPTS: Final = 3
 # The metadata key of a pin that records its first subject's chunk root: the RFC 9162 Merkle
 # tree hash over the BLAKE3 of each chunk, in lowercase hex (vault.client.ranges reads it).
 CHUNK_ROOT: Final = "chunk-root"
@@ -53,6 +61,20 @@ def sha256_keys(digests: Sequence[str]) -> list[bytes] | None:
         return None
     raw = bytes.fromhex(text.replace("sha256:", ""))  # fromhex skips the line breaks
     return [raw[at : at + 32] for at in range(0, len(raw), 32)]
+
+
+Named = TypeVar("Named")
+
+
+def _fill_proof(message: pb.SubjectMapProof, proof: KeyProof | None) -> None:
+    if proof is None:
+        return
+    message.bucket_size = proof.bucket_size
+    message.position = proof.position
+    add = message.records.add
+    for position, record, path in proof.records:
+        add(position=position, record=record, path=path)
+    message.top.extend(proof.top)
 
 
 def entry_message(entry: StoredEntry) -> pb.Entry:
@@ -214,7 +236,19 @@ class LedgerService(Service, rpc.LedgerServicer):
         group's entries, each added by its `add` with an inclusion proof against one signed
         checkpoint that covers them all, and that checkpoint's consistency with `known_size`."""
         indexes = {e.index for _, es in groups for e in es}
-        signed = self._covering(max(indexes, default=-1) + 1, known_size)
+        self.prove_against(
+            response, self._covering(max(indexes, default=-1) + 1, known_size), groups, known_size
+        )
+
+    def prove_against(
+        self,
+        response: Any,
+        signed: SignedCheckpoint,
+        groups: Sequence[tuple[Callable[[], pb.ProvenEntry], Sequence[StoredEntry]]],
+        known_size: int,
+    ) -> None:
+        """`prove` against the checkpoint `signed`, which covers every entry of `groups`."""
+        indexes = {e.index for _, es in groups for e in es}
         proofs = self.ledger.inclusion_proofs(indexes, signed.size)
         for add, entries in groups:
             for e in entries:
@@ -247,20 +281,85 @@ class LedgerService(Service, rpc.LedgerServicer):
         if 0 < known_size < size:
             consistency.hashes.extend(self.ledger.consistency_proof(known_size, size))
 
-    @unary
-    def Lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
-        keys = self._lookup_keys(request.digest)
-        if len(keys) == 1:
-            entries = self.ledger.entries_naming(keys[0])
+    def _complete(
+        self,
+        digests: Sequence[str],
+        known_size: int,
+        read: Callable[[], tuple[Named, int]],
+    ) -> tuple[SignedCheckpoint, list[StoredEntry], Sequence[KeyProof | None], Named] | None:
+        """What answers a look-up of `digests` completely: the signed checkpoint it is answered
+        against, the entries from the first the newest `index` entry does not cover up to that
+        checkpoint (the `index` entry among them: its tail), each digest's proof in the subject
+        map (none before the first `index` entry, when every entry is in the tail), and what
+        `read` gives (the entries naming the digests, and the newest index among them, or -1).
+
+        The map is read first, then the entries, then the checkpoint is chosen to cover both
+        (and the tree the caller verified); if entries were appended meanwhile, they are read
+        again. So every entry naming a digest below the checkpoint is in the map or the tail,
+        and in what is read. None if the map must first be brought up to the ledger (an
+        upgraded ledger's first look-up): see `_answer`."""
+        raw = sha256_keys(digests)
+        if raw is None:
+            raw = [digest_key(check_digest(d)) for d in digests]
+        keys = [sha256(k).digest() for k in raw]
+        found = self.ledger.subject_map.prove(keys)
+        before = self.ledger.size
+        named, newest = read()
+        proofs: Sequence[KeyProof | None]
+        if found is None:
+            # No `index` entry yet (a ledger of fewer than INDEX_EVERY entries): every entry is
+            # in the tail.
+            covers, needed, proofs, longest = 0, newest + 1, [None] * len(keys), INDEX_EVERY
         else:
-            found = self.ledger.entries_for(keys)
-            entries = sorted(
-                {e.index: e for k in keys for e in found[k]}.values(), key=lambda e: e.index
-            )
-        if not entries:
-            raise NotFound(f"no entry pins {request.digest}")
+            epoch, covers, proofs = found
+            needed, longest = max(epoch, newest) + 1, MAX_TAIL
+        signed = self._covering(needed, known_size)
+        if signed.size > before:
+            named, _ = read()
+        tail = self.ledger.entries_between(covers, signed.size)
+        return (signed, tail, proofs, named) if len(tail) <= longest else None
+
+    async def _answer(self, method: Callable[[Any], Any | None], request: Any) -> Any:
+        """A look-up's answer from `method`, once the subject map covers enough of the ledger
+        to prove it complete (asking the writer for an `index` entry when it does not)."""
+        for _ in range(_ATTEMPTS):
+            response = await self.call(method, request)
+            if response is not None:
+                return response
+            await self.ledger.index_tick_async()
+        raise Unavailable(
+            "the subject map is catching up with the ledger (an upgraded ledger's first): retry"
+        )
+
+    @unary_async
+    async def Lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
+        response: pb.LookupResponse = await self._answer(self._lookup, request)
+        return response
+
+    def _lookup(self, request: pb.LookupRequest) -> pb.LookupResponse | None:
+        keys = self._lookup_keys(request.digest)
+
+        def read() -> tuple[list[StoredEntry], int]:
+            if len(keys) == 1:
+                entries = self.ledger.entries_naming(keys[0])
+            else:
+                found = self.ledger.entries_for(keys)
+                entries = sorted({e.index: e for k in keys for e in found[k]}.values(), key=_index)
+            return entries, entries[-1].index if entries else -1
+
+        complete = self._complete(keys[:1], request.known_size, read)
+        if complete is None:
+            return None
+        signed, tail, (proof,), named = complete
+        entries = [e for e in named if e.index < signed.size]
         response = pb.LookupResponse()
-        self.prove(response, [(response.entries.add, entries)], request.known_size)
+        self.prove_against(
+            response,
+            signed,
+            [(response.entries.add, entries), (response.map.entries.add, tail)],
+            request.known_size,
+        )
+        _fill_proof(response.proof, proof)
         return response
 
     def _named(self, digests: Sequence[str]) -> Mapping[str, Sequence[tuple[int, bytes]]]:
@@ -284,28 +383,49 @@ class LedgerService(Service, rpc.LedgerServicer):
             for d, ks in keys.items()
         }
 
-    @unary
-    def LookupBatch(self, request: pb.LookupBatchRequest) -> pb.LookupBatchResponse:
+    @unary_async
+    async def LookupBatch(self, request: pb.LookupBatchRequest) -> pb.LookupBatchResponse:
+        response: pb.LookupBatchResponse = await self._answer(self._lookup_batch, request)
+        return response
+
+    def _lookup_batch(self, request: pb.LookupBatchRequest) -> pb.LookupBatchResponse | None:
         if len(request.digests) > MAX_LOOKUP_BATCH:
             raise InvalidArgument(
                 f"too many digests: {len(request.digests)} (at most {MAX_LOOKUP_BATCH} a call)"
             )
         digests = list(request.digests)  # each read of the message makes new strings
-        named = self._named(digests)
-        indexes = {index for entries in named.values() for index, _ in entries}
-        signed = self._covering(max(indexes, default=-1) + 1, request.known_size)
+
+        def read() -> tuple[Mapping[str, Sequence[tuple[int, bytes]]], int]:
+            found = self._named(digests)
+            return found, max((es[-1][0] for es in found.values() if es), default=-1)
+
+        complete = self._complete(digests, request.known_size, read)
+        if complete is None:
+            return None
+        signed, tail, map_proofs, named = complete
+        size = signed.size
+        indexes = {index for entries in named.values() for index, _ in entries if index < size}
         # One proof an entry, however many of the digests asked for name it.
-        proofs = self.ledger.inclusion_proofs(indexes, signed.size)
+        proofs = self.ledger.inclusion_proofs(indexes | {e.index for e in tail}, size)
         response = pb.LookupBatchResponse()
         # Each message made in place by its container's add: a message made alone and then
         # given to a container is copied.
         add = response.results.add
-        for d in digests:
-            add_entry = add(digest=d).entries.add
+        for d, map_proof in zip(digests, map_proofs, strict=True):
+            result = add(digest=d)
+            add_entry = result.entries.add
             for index, body in named[d]:
+                if index >= size:
+                    break
                 entry = add_entry(inclusion=proofs[index]).entry
                 entry.index = index
                 entry.body = body
+            _fill_proof(result.proof, map_proof)
+        add_tail = response.map.entries.add
+        for e in tail:
+            entry = add_tail(inclusion=proofs[e.index]).entry
+            entry.index = e.index
+            entry.body = e.body
         self._seal(response, signed, request.known_size)
         return response
 

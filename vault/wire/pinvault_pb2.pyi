@@ -1182,26 +1182,124 @@ class LookupResponse(_message.Message):
     ENTRIES_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     CONSISTENCY_FIELD_NUMBER: _builtins.int
+    MAP_FIELD_NUMBER: _builtins.int
+    PROOF_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProvenEntry]: ...
     @_builtins.property
     def checkpoint(self) -> Global___Checkpoint: ...
     @_builtins.property
     def consistency(self) -> Global___ConsistencyProof: ...
+    @_builtins.property
+    def map(self) -> Global___SubjectMapTail:
+        """What proves `entries` complete (or the digest never pinned) as of the checkpoint."""
+
+    @_builtins.property
+    def proof(self) -> Global___SubjectMapProof: ...
     def __init__(
         self,
         *,
         entries: _abc.Iterable[Global___ProvenEntry] | None = ...,
         checkpoint: Global___Checkpoint | None = ...,
         consistency: Global___ConsistencyProof | None = ...,
+        map: Global___SubjectMapTail | None = ...,
+        proof: Global___SubjectMapProof | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "map", b"map", "proof", b"proof"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "entries", b"entries"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "entries", b"entries", "map", b"map", "proof", b"proof"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LookupResponse: _TypeAlias = LookupResponse  # noqa: Y015
+
+@_typing.final
+class SubjectMapRecord(_message.Message):
+    """A record of the subject map (docs/ledger-format.md, "Index entries"), at its position in
+    its bucket, with its inclusion proof there.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POSITION_FIELD_NUMBER: _builtins.int
+    RECORD_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    position: _builtins.int
+    record: _builtins.bytes
+    @_builtins.property
+    def path(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        position: _builtins.int = ...,
+        record: _builtins.bytes = ...,
+        path: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "position", b"position", "record", b"record"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubjectMapRecord: _TypeAlias = SubjectMapRecord  # noqa: Y015
+
+@_typing.final
+class SubjectMapProof(_message.Message):
+    """A key's value in the subject map, or its absence: its bucket's size, where the key is or
+    would be, the record there or its neighbours, and the bucket's path to the map's root.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BUCKET_SIZE_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    RECORDS_FIELD_NUMBER: _builtins.int
+    TOP_FIELD_NUMBER: _builtins.int
+    bucket_size: _builtins.int
+    position: _builtins.int
+    @_builtins.property
+    def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___SubjectMapRecord]: ...
+    @_builtins.property
+    def top(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        bucket_size: _builtins.int = ...,
+        position: _builtins.int = ...,
+        records: _abc.Iterable[Global___SubjectMapRecord] | None = ...,
+        top: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_size", b"bucket_size", "position", b"position", "records", b"records", "top", b"top"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubjectMapProof: _TypeAlias = SubjectMapProof  # noqa: Y015
+
+@_typing.final
+class SubjectMapTail(_message.Message):
+    """Every entry from the first the newest `index` entry does not cover to the checkpoint, each
+    proven against it: the `index` entry is among them.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProvenEntry]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___ProvenEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubjectMapTail: _TypeAlias = SubjectMapTail  # noqa: Y015
 
 @_typing.final
 class LookupBatchRequest(_message.Message):
@@ -1232,18 +1330,22 @@ class LookupResult(_message.Message):
 
     DIGEST_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
+    PROOF_FIELD_NUMBER: _builtins.int
     digest: _builtins.str
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProvenEntry]: ...
+    @_builtins.property
+    def proof(self) -> Global___SubjectMapProof: ...
     def __init__(
         self,
         *,
         digest: _builtins.str = ...,
         entries: _abc.Iterable[Global___ProvenEntry] | None = ...,
+        proof: Global___SubjectMapProof | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["proof", b"proof"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "entries", b"entries"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "entries", b"entries", "proof", b"proof"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1256,22 +1358,26 @@ class LookupBatchResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     CONSISTENCY_FIELD_NUMBER: _builtins.int
+    MAP_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___LookupResult]: ...
     @_builtins.property
     def checkpoint(self) -> Global___Checkpoint: ...
     @_builtins.property
     def consistency(self) -> Global___ConsistencyProof: ...
+    @_builtins.property
+    def map(self) -> Global___SubjectMapTail: ...
     def __init__(
         self,
         *,
         results: _abc.Iterable[Global___LookupResult] | None = ...,
         checkpoint: Global___Checkpoint | None = ...,
         consistency: Global___ConsistencyProof | None = ...,
+        map: Global___SubjectMapTail | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "map", b"map"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "results", b"results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "map", b"map", "results", b"results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
