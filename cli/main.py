@@ -404,6 +404,7 @@ def cmd_verify(args: argparse.Namespace, config: Config) -> int:
             progress=lambda done, total: bar.set(done, total),
             workers=args.workers or default_workers(),
             chunk=args.chunk,
+            subject_map=args.subject_map,
         )
         bar.close()
         ok = report.ok
@@ -738,6 +739,13 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="on the vault's host: also check every tile and entry bundle in its tile folder "
         "(DATA/tiles) against the checkpoint published there",
+    )
+    p.add_argument(
+        "--subject-map",
+        action="store_true",
+        help="also rebuild the subject map that proves look-ups complete and check the newest "
+        "index entry's root against it (memory grows with the ledger's distinct digests: "
+        "about 150 MiB a million)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object: what was checked")
     p.add_argument(

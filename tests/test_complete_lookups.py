@@ -263,10 +263,34 @@ def test_vault_verify_names_an_index_entry_whose_root_is_not_the_ledgers_map(
     finally:
         ledger.close()
         db.dispose()
-    run = start_vault("again", data_dir=server.data_dir, env=env).run("verify")
+    again = start_vault("again", data_dir=server.data_dir, env=env)
+    # The map is rebuilt when asked, in one process and in chunks.
+    for workers in ("1", "2"):
+        run = again.run("verify", "--subject-map", "--workers", workers, "--chunk", "64")
+        assert run.returncode == 65, run.describe()
+        assert f"first break at index {forged.index}" in run.stdout, run.describe()
+        assert "commits to subject map root abab" in run.stdout, run.describe()
+    # Without it, the ledger's own checks pass: the entry is well formed and covers its past.
+    assert again.run("verify").returncode == 0
+    # One that covers more entries than come before it is named either way.
+    assert again.stop() == 0
+    db = open_database(f"sqlite:///{server.db_path}")
+    ledger = Ledger(
+        db,
+        SigningKey.load(server.data_dir / "checkpoint.key"),
+        origin=env["PINVAULT_LEDGER_ORIGIN"],
+        checkpoint_interval=3600,
+    )
+    try:
+        meta = {"covers": str(ledger.size + 5), "map": MAP_FORMAT, "map-root": "cd" * 32}
+        (ahead,) = ledger.append([PinSpec(INDEX, (), "vault-index", meta, False)])
+        ledger.checkpoint(ahead.index + 1)
+    finally:
+        ledger.close()
+        db.dispose()
+    run = start_vault("third", data_dir=server.data_dir, env=env).run("verify")
     assert run.returncode == 65, run.describe()
-    assert f"first break at index {forged.index}" in run.stdout, run.describe()
-    assert "commits to subject map root abab" in run.stdout, run.describe()
+    assert f"index {ahead.index}: index entry {ahead.index} covers" in run.stdout, run.describe()
 
 
 def test_before_the_first_index_entry_a_lookup_carries_the_whole_ledger_and_is_checked_whole(

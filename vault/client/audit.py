@@ -62,11 +62,18 @@ class _Worker:
             env=env,
         )
 
-    def audit(self, start: int, end: int, sizes: Sequence[int], messages: Iterator[bytes]) -> Any:
+    def audit(
+        self,
+        start: int,
+        end: int,
+        sizes: Sequence[int],
+        messages: Iterator[bytes],
+        subject_map: bool = False,
+    ) -> Any:
         stdin, stdout = self.process.stdin, self.process.stdout
         assert stdin is not None and stdout is not None
         try:
-            header = {"start": start, "end": end, "sizes": list(sizes)}
+            header = {"start": start, "end": end, "sizes": list(sizes), "map": subject_map}
             write_frame(stdin, b"C", json.dumps(header).encode())
             for message in messages:
                 write_frame(stdin, b"M", message)
@@ -110,6 +117,7 @@ def audit_in_chunks(
     workers: int,
     chunk: int = CHUNK,
     progress: Callable[[int, int], None] | None = None,
+    subject_map: bool = False,
 ) -> None:
     """Audit the stored entries [0, head) with `workers` processes, joining each chunk into
     `auditor` in index order. Rows past the head are the caller's, from the snapshot `head`
@@ -142,7 +150,7 @@ def audit_in_chunks(
                 start, end = k * chunk, min((k + 1) * chunk, head)
                 inside = sizes[bisect.bisect_right(sizes, start) : bisect.bisect_right(sizes, end)]
                 request = pb.ReadEntriesRequest(start=start, end=end, columns=True)
-                result = worker.audit(start, end, inside, read(request))
+                result = worker.audit(start, end, inside, read(request), subject_map)
                 with lock:
                     results[k] = result
                     lock.notify_all()

@@ -45,7 +45,10 @@ def serve(source: IO[bytes], sink: IO[bytes]) -> None:
         kind, payload = frame
         if kind == b"C":
             chunk = json.loads(payload)
-            audit, failed = ChunkAudit(chunk["start"], chunk["end"], chunk["sizes"]), None
+            audit = ChunkAudit(
+                chunk["start"], chunk["end"], chunk["sizes"], subject_map=bool(chunk.get("map"))
+            )
+            failed = None
         elif kind == b"M" and audit is not None and failed is None:
             columns = pb.StoredEntries.FromString(payload).columns
             try:

@@ -773,6 +773,7 @@ class VaultClient:
         *,
         workers: int = 1,
         chunk: int | None = None,
+        subject_map: bool = False,
     ) -> AuditReport:
         """Re-derive the whole ledger from the server's stored rows (see vault.ledger.audit).
         The stored entries are checked against the vault's latest checkpoint too (with
@@ -781,7 +782,9 @@ class VaultClient:
         shows this client a history other than the one it saw before fails its audit
         (RollbackError or VerificationError naming the sizes). With more than one worker and a
         ledger of at least two chunks, worker processes audit chunks of `chunk` entries side by
-        side (see vault.client.audit; `chunk` defaults to its CHUNK); the report is the same."""
+        side (see vault.client.audit; `chunk` defaults to its CHUNK); the report is the same.
+        `subject_map`: also rebuild the subject map and check the newest `index` entry's root
+        (its memory grows with the ledger's distinct digests)."""
         from vault.client.audit import CHUNK
 
         refusal: VaultError | None = None
@@ -794,7 +797,13 @@ class VaultClient:
         with self._trust.trusted() as trusted:
             verifier, origin = trusted.verifier, trusted.origin
         report = self._audit(
-            verifier, origin, latest, progress, workers, CHUNK if chunk is None else chunk
+            verifier,
+            origin,
+            latest,
+            progress,
+            workers,
+            CHUNK if chunk is None else chunk,
+            subject_map,
         )
         if latest is None:
             if report.ok and refusal is not None:
@@ -812,6 +821,7 @@ class VaultClient:
         progress: Callable[[int, int], None] | None,
         workers: int,
         chunk: int,
+        subject_map: bool = False,
     ) -> AuditReport:
         from vault.client.audit import audit_in_chunks
         from vault.ledger.audit import Auditor
@@ -822,7 +832,7 @@ class VaultClient:
                 for batch in self.ledger.ReadCheckpoints(pb.ReadCheckpointsRequest())
                 for n in batch.notes
             ] + ([] if latest is None else [latest])
-            auditor = Auditor(verifier, origin, notes)
+            auditor = Auditor(verifier, origin, notes, subject_map=subject_map)
             if workers > 1:
                 # The head's size and the rows past it, from one snapshot; every row below the
                 # head is immutable, so the chunks may read them from later snapshots.
@@ -838,6 +848,7 @@ class VaultClient:
                         workers=workers,
                         chunk=chunk,
                         progress=progress,
+                        subject_map=subject_map,
                     )
                     auditor.feed(first.entries)
                     for batch in tail:

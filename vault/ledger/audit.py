@@ -90,8 +90,14 @@ class Auditor:
     """Feed stored entry rows in index order, then call `finish`. Failures are collected; the
     first (lowest index) is the one to report, but all are kept for the operator."""
 
-    def __init__(self, verifier: Verifier, origin: str, notes: Iterable[str]) -> None:
+    def __init__(
+        self, verifier: Verifier, origin: str, notes: Iterable[str], *, subject_map: bool = False
+    ) -> None:
+        """`subject_map`: also rebuild the subject map and check the newest `index` entry's
+        root (memory grows with the ledger's distinct digests; every `index` entry's coverage
+        is checked either way)."""
         self.report = AuditReport()
+        self._subject_map = subject_map
         self._range = CompactRange()
         self._prev = ZERO_HASH
         self._roots: dict[int, list[Checkpoint]] = {}
@@ -139,7 +145,7 @@ class Auditor:
         append = self._range.append
         report = self.report
         if self._own_part is None or self._map_parts[-1] is not self._own_part:
-            self._own_part = MapPart()
+            self._own_part = MapPart(self._subject_map)
             self._map_parts.append(self._own_part)
         part = self._own_part
         for row in rows:
@@ -382,9 +388,12 @@ class ChunkAudit:
     of a power of two no smaller than `end - start` (so that the chunk's Merkle nodes join the
     ones before it): every leaf hash, every row's agreement with its index columns and every
     chain link inside the chunk. `sizes` are the checkpoint sizes in (start, end], at which the
-    chunk's range is kept. Feed its rows in index order as columns (`feed`), then `result`."""
+    chunk's range is kept; `subject_map`: gather the subject map's keys too (see `Auditor`).
+    Feed its rows in index order as columns (`feed`), then `result`."""
 
-    def __init__(self, start: int, end: int, sizes: Iterable[int]) -> None:
+    def __init__(
+        self, start: int, end: int, sizes: Iterable[int], *, subject_map: bool = False
+    ) -> None:
         self.start, self.end = start, end
         self._sizes = frozenset(sizes)
         self._range = CompactRange()
@@ -393,7 +402,7 @@ class ChunkAudit:
         self._next = start
         self._prev = ZERO_HASH
         self._ranges: list[tuple[int, int, tuple[bytes, ...]]] = []
-        self._map = MapPart()
+        self._map = MapPart(subject_map)
 
     def _fail(self, index: int, message: str) -> None:
         self._failures.append(Failure(index, message))

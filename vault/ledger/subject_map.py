@@ -239,15 +239,19 @@ def rebuild(pairs: Iterable[tuple[bytes, int]]) -> bytes:
 
 class MapPart:
     """What `vault verify` gathers of the subject map from a run of entries, in index order
-    (a chunk's worker gathers its own): each subject's key and entry index, packed, and the
-    `index` entries met, as (index, covers, root) or (index, None, None) if malformed."""
+    (a chunk's worker gathers its own): the `index` entries met, as (index, covers, root) or
+    (index, None, None) if malformed, and, if asked (`keys`), each subject's key and entry
+    index, packed."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: bool = True) -> None:
+        self.gathers_keys = keys
         self.keys = bytearray()
         self.indexes = array("q")
         self.index_entries: list[tuple[int, int | None, bytes | None]] = []
 
     def add(self, index: int, subjects: Iterable[str]) -> None:
+        if not self.gathers_keys:
+            return
         for subject in subjects:
             self.keys += hashlib.sha256(digest_key(subject)).digest()
             self.indexes.append(index)
@@ -266,9 +270,9 @@ class MapPart:
 
 def audit_map(parts: Sequence[MapPart]) -> list[tuple[int, str]]:
     """`vault verify`'s check of the subject map from the parts of the whole ledger, in index
-    order: each `index` entry covers no entry after it and no fewer than the one before, and
-    the newest one's root is the root of the map rebuilt from the entries it covers. The
-    failures, as (index, message)."""
+    order: each `index` entry covers no entry after it and no fewer than the one before, and,
+    if the parts gathered the keys, the newest one's root is the root of the map rebuilt from
+    the entries it covers. The failures, as (index, message)."""
     failures: list[tuple[int, str]] = []
     covered = 0
     newest: tuple[int, int, bytes] | None = None
@@ -287,7 +291,7 @@ def audit_map(parts: Sequence[MapPart]) -> list[tuple[int, str]]:
             else:
                 covered = covers
                 newest = (index, covers, root)
-    if newest is None:
+    if newest is None or not all(part.gathers_keys for part in parts):
         return failures
     index, covers, root = newest
     chains: dict[bytes, bytes] = {}
