@@ -179,7 +179,30 @@ def test_a_batch_lookup_with_an_entry_left_out_or_its_tail_cut_is_refused(
         del answer.map.entries[-1]
         return answer
 
-    for rule, words in ((left_out, "not complete"), (tail_cut, "stop at")):
+    def node_changed(request: Any, answer: pb.LookupBatchResponse) -> pb.LookupBatchResponse:
+        # One node of the tree of bucket roots that the digests' proofs share.
+        answer.map.top[len(answer.map.top) // 2] = bytes(32)
+        return answer
+
+    def node_left_out(request: Any, answer: pb.LookupBatchResponse) -> pb.LookupBatchResponse:
+        del answer.map.top[-1]
+        return answer
+
+    def proofs_swapped(request: Any, answer: pb.LookupBatchResponse) -> pb.LookupBatchResponse:
+        first, second = (pb.SubjectMapProof(), pb.SubjectMapProof())
+        first.CopyFrom(answer.results[0].proof)
+        second.CopyFrom(answer.results[1].proof)
+        answer.results[0].proof.CopyFrom(second)
+        answer.results[1].proof.CopyFrom(first)
+        return answer
+
+    for rule, words in (
+        (left_out, "not complete"),
+        (tail_cut, "stop at"),
+        (node_changed, "leads to root"),
+        (node_left_out, "too few nodes"),
+        (proofs_swapped, "subject map's proof for"),
+    ):
         proxy.tamper("Ledger/LookupBatch", rule)
         with (
             VaultClient(proxy.address) as client,

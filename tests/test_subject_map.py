@@ -18,7 +18,7 @@ from vault.ledger.subject_map import (
     TopTree,
     bucket_of,
     bucket_root,
-    check,
+    check_keys,
     key_of,
     merge,
     prove,
@@ -44,6 +44,12 @@ def _map(named: dict[str, list[int]]) -> tuple[dict[int, bytes], TopTree]:
     return buckets, top
 
 
+def _check(key: bytes, proof: KeyProof, top: TopTree, what: str) -> bytes | None:
+    """A key's value, checked as a one-digest look-up's client checks it."""
+    (value,) = check_keys([(key, proof, what)], top.multiproof([bucket_of(key)]), top.root())
+    return value
+
+
 def _colliding(count: int) -> list[str]:
     """Digests whose keys share one bucket, so that proofs have neighbours on both sides."""
     found: list[str] = []
@@ -62,15 +68,15 @@ def test_a_named_digest_proves_its_value_and_an_unnamed_one_its_absence() -> Non
     buckets, top = _map(named)
     for digest, indexes in named.items():
         key = key_of(digest)
-        proof = prove(key, buckets[bucket_of(key)], top)
-        assert check(key, proof, top.root(), digest) == value_of(indexes)
+        proof = prove(key, buckets[bucket_of(key)])
+        assert _check(key, proof, top, digest) == value_of(indexes)
     key = key_of(absent)
-    proof = prove(key, buckets[bucket_of(key)], top)
-    assert check(key, proof, top.root(), absent) is None
+    proof = prove(key, buckets[bucket_of(key)])
+    assert _check(key, proof, top, absent) is None
     # A digest whose bucket is empty is proven absent by the bucket's path alone.
     lonely = next(d for d in map(_digest, range(10**6)) if bucket_of(key_of(d)) not in buckets)
     key = key_of(lonely)
-    assert check(key, prove(key, b"", top), top.root(), lonely) is None
+    assert _check(key, prove(key, b""), top, lonely) is None
 
 
 @pytest.mark.parametrize(
@@ -79,7 +85,6 @@ def test_a_named_digest_proves_its_value_and_an_unnamed_one_its_absence() -> Non
         "a named key shown absent",
         "an absent key shown named",
         "a neighbour left out",
-        "another bucket's path",
         "a record's value changed",
         "the bucket's size changed",
         "the position moved",
@@ -95,25 +100,23 @@ def test_every_altered_proof_is_refused(alter: str) -> None:
     shows_absence = alter in ("an absent key shown named", "a neighbour left out")
     asked = digests[5] if shows_absence or alter == "the bucket's size changed" else digests[2]
     key = key_of(asked)
-    proof = prove(key, buckets[bucket_of(key)], top)
+    proof = prove(key, buckets[bucket_of(key)])
     if alter == "a named key shown absent":
         # The records on either side of it, with their true paths: their positions are not
         # adjacent to where the key would be.
-        honest = prove(key_of(asked), buckets[7], top)
+        honest = prove(key_of(asked), buckets[7])
         records = [
-            prove(key_of(digests[j]), buckets[7], top).records[0]
+            prove(key_of(digests[j]), buckets[7]).records[0]
             for j in range(5)
             if digests[j] != asked
         ]
         around = [r for r in records if r[0] in (honest.position - 1, honest.position + 1)]
         proof = dataclasses.replace(proof, records=tuple(around))
     elif alter == "an absent key shown named":
-        other = prove(key_of(digests[0]), buckets[7], top)
+        other = prove(key_of(digests[0]), buckets[7])
         proof = dataclasses.replace(other, position=other.position)
     elif alter == "a neighbour left out":
         proof = dataclasses.replace(proof, records=proof.records[:1])
-    elif alter == "another bucket's path":
-        proof = dataclasses.replace(proof, top=tuple(top.path(8)))
     elif alter == "a record's value changed":
         position, record, path = proof.records[0]
         proof = dataclasses.replace(proof, records=((position, record[:32] + bytes(32), path),))
@@ -124,7 +127,7 @@ def test_every_altered_proof_is_refused(alter: str) -> None:
     elif alter == "the position moved":
         proof = dataclasses.replace(proof, position=proof.position + 1)
     with pytest.raises(VerificationError, match="subject map"):
-        value = check(key, proof, top.root(), asked)
+        value = _check(key, proof, top, asked)
         # An absent key "shown named" by another key's record proves that key, not this one.
         assert value is not None and alter != "an absent key shown named"
 
@@ -158,14 +161,67 @@ def test_a_proof_is_the_size_of_a_path_not_of_the_map() -> None:
     named = {_digest(n): [n] for n in range(3000)}
     buckets, top = _map(named)
     key = key_of(_digest(17))
-    proof: KeyProof = prove(key, buckets[bucket_of(key)], top)
-    assert len(proof.top) == BUCKET_BITS and len(proof.records) == 1
+    proof: KeyProof = prove(key, buckets[bucket_of(key)])
+    assert len(top.multiproof([bucket_of(key)])) == BUCKET_BITS and len(proof.records) == 1
     assert sum(len(p) for _, _, p in proof.records) <= 4
     # Buckets of one record, of two and of more all prove their keys.
     sizes = set()
     for digest, indexes in named.items():
         key = key_of(digest)
-        proof = prove(key, buckets[bucket_of(key)], top)
+        proof = prove(key, buckets[bucket_of(key)])
         sizes.add(min(proof.bucket_size, 3))
-        assert check(key, proof, top.root(), digest) == value_of(indexes)
+        assert _check(key, proof, top, digest) == value_of(indexes)
     assert sizes == {1, 2, 3}
+
+
+def test_many_keys_are_proven_together_by_fewer_nodes_than_their_paths() -> None:
+    named = {_digest(n): [n] for n in range(20_000)}
+    buckets, top = _map(named)
+    asked = [_digest(n) for n in range(0, 20_000, 20)] + [_digest(n) for n in range(-1, -11, -1)]
+    keys = [(key_of(d), prove(key_of(d), buckets.get(bucket_of(key_of(d)), b"")), d) for d in asked]
+    nodes = top.multiproof(bucket_of(k) for k, _, _ in keys)
+    assert len(nodes) < len(asked) * BUCKET_BITS * 0.45
+    values = check_keys(keys, nodes, top.root())
+    assert values == [value_of(named[d]) if d in named else None for d in asked]
+    # The nodes of one bucket are its path.
+    assert top.multiproof([300]) == top.path(300)
+
+
+@pytest.mark.parametrize(
+    "alter",
+    ["a node changed", "a node left out", "a node added", "a bucket's nodes for another's"],
+)
+def test_an_altered_shared_proof_is_refused(alter: str) -> None:
+    named = {_digest(n): [n] for n in range(2000)}
+    buckets, top = _map(named)
+    asked = [_digest(n) for n in range(0, 2000, 100)]
+    keys = [(key_of(d), prove(key_of(d), buckets[bucket_of(key_of(d))]), d) for d in asked]
+    nodes = top.multiproof(bucket_of(k) for k, _, _ in keys)
+    if alter == "a node changed":
+        nodes[len(nodes) // 2] = bytes(32)
+    elif alter == "a node left out":
+        del nodes[-1]
+    elif alter == "a node added":
+        nodes.append(nodes[0])
+    else:  # the nodes that would prove the bucket beside the first digest's
+        nodes = top.multiproof([bucket_of(k) for k, _, _ in keys[1:]] + [bucket_of(keys[0][0]) ^ 1])
+    with pytest.raises(VerificationError, match="subject map"):
+        check_keys(keys, nodes, top.root())
+
+
+def test_two_proofs_of_one_bucket_with_two_roots_are_refused() -> None:
+    digests = sorted(_colliding(4), key=key_of)
+    named = {d: [i] for i, d in enumerate(digests[:3])}
+    buckets, top = _map(named)
+    first = prove(key_of(digests[0]), buckets[7])
+    # The second digest's record with another value: its bucket's root differs from the first's.
+    position, record, path = prove(key_of(digests[1]), buckets[7]).records[0]
+    second = dataclasses.replace(
+        prove(key_of(digests[1]), buckets[7]), records=((position, record[:32] + bytes(32), path),)
+    )
+    with pytest.raises(VerificationError, match="another root"):
+        check_keys(
+            [(key_of(digests[0]), first, digests[0]), (key_of(digests[1]), second, digests[1])],
+            top.multiproof([7]),
+            top.root(),
+        )

@@ -477,7 +477,7 @@ class VaultClient:
         )
         tail = check_tail(response.map, checkpoint)
         entries = self._about(wanted, [check_proven(p, checkpoint) for p in response.entries])
-        check_complete(str(wanted), entries, response.proof, tail)
+        check_complete([(str(wanted), entries, response.proof)], tail)
         if not entries:
             raise NotFound(
                 f"no entry pins {wanted} (proven for the {checkpoint.size} entries of the "
@@ -503,14 +503,16 @@ class VaultClient:
             )
         tail = check_tail(response.map, checkpoint)
         found: dict[str, list[ProvenEntry]] = {}
+        answers = []
         for asked, digest, result in zip(digests, wanted, response.results, strict=True):
             if result.digest != str(digest):
                 raise VerificationError(
                     f"asked about {digest}, the vault answered about {result.digest!r}"
                 )
             entries = self._about(digest, [check_proven(p, checkpoint) for p in result.entries])
-            check_complete(str(digest), entries, result.proof, tail)
+            answers.append((str(digest), entries, result.proof))
             found[asked] = entries
+        check_complete(answers, tail)
         return found
 
     def _about(self, wanted: Digest, entries: list[ProvenEntry]) -> list[ProvenEntry]:

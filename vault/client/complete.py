@@ -19,7 +19,7 @@ from vault.client.results import ProvenEntry
 from vault.errors import VerificationError
 from vault.ledger.checkpoint import Checkpoint
 from vault.ledger.entry import INDEX
-from vault.ledger.subject_map import MAP_FORMAT, KeyProof, check, key_of, value_of
+from vault.ledger.subject_map import MAP_FORMAT, KeyProof, check_keys, key_of, value_of
 from vault.wire import pinvault_pb2 as pb
 
 _ROOT = re.compile(r"[0-9a-f]{64}")
@@ -27,12 +27,13 @@ _ROOT = re.compile(r"[0-9a-f]{64}")
 
 @dataclass(frozen=True, slots=True)
 class MapTail:
-    """The part of an answer every digest's check shares: what the map covers, its root, and
-    the entries after it, verified."""
+    """The part of an answer every digest's check shares: what the map covers, its root, the
+    entries after it, verified, and the nodes proving the digests' buckets under the root."""
 
     covers: int
     root: bytes | None  # None: no map, every entry of the checkpoint is in `entries`
     entries: list[ProvenEntry]
+    top: tuple[bytes, ...] = ()
 
 
 def check_tail(message: pb.SubjectMapTail, checkpoint: Checkpoint) -> MapTail:
@@ -72,7 +73,7 @@ def check_tail(message: pb.SubjectMapTail, checkpoint: Checkpoint) -> MapTail:
                 f"index entry {entry.index} names a subject map this client does not know",
                 index=entry.index,
             )
-        return MapTail(start, bytes.fromhex(root), entries)
+        return MapTail(start, bytes.fromhex(root), entries, tuple(message.top))
     raise VerificationError(
         f"the vault's answer does not prove it complete: no index entry among entries "
         f"{start}..{checkpoint.size - 1} covers the {start} before them"
@@ -84,18 +85,29 @@ def key_proof(message: pb.SubjectMapProof) -> KeyProof:
         message.bucket_size,
         message.position,
         tuple((r.position, bytes(r.record), tuple(r.path)) for r in message.records),
-        tuple(message.top),
     )
 
 
 def check_complete(
-    digest: str, entries: Sequence[ProvenEntry], proof: pb.SubjectMapProof, tail: MapTail
+    answers: Sequence[tuple[str, Sequence[ProvenEntry], pb.SubjectMapProof]], tail: MapTail
 ) -> None:
-    """That `entries` (verified, each naming `digest` or a digest the client tied to it) hold
-    every entry naming `digest` in the answer's checkpoint."""
-    value = (
-        None if tail.root is None else check(key_of(digest), key_proof(proof), tail.root, digest)
+    """That for each (digest, entries, proof) of an answer, `entries` (verified, each naming
+    the digest or a digest the client tied to it) hold every entry naming the digest in the
+    answer's checkpoint: the digests' map proofs checked together under the tail's root."""
+    values = (
+        [None] * len(answers)
+        if tail.root is None
+        else check_keys(
+            [(key_of(d), key_proof(proof), d) for d, _, proof in answers], tail.top, tail.root
+        )
     )
+    for (digest, entries, _), value in zip(answers, values, strict=True):
+        _check_one(digest, entries, value, tail)
+
+
+def _check_one(
+    digest: str, entries: Sequence[ProvenEntry], value: bytes | None, tail: MapTail
+) -> None:
     naming = [p.entry.index for p in entries if digest in p.entry.subjects]
     below = [i for i in naming if i < tail.covers]
     if (value_of(below) if below else None) != value:

@@ -171,9 +171,10 @@ class MapReader:
         self._covers = 0
         self._lock = threading.Lock()
 
-    def prove(self, keys: Sequence[bytes]) -> tuple[int, int, list[KeyProof]] | None:
-        """The newest `index` entry (its index and what it covers) and each key's proof under
-        it, or None if the ledger has no `index` entry yet. One
+    def prove(self, keys: Sequence[bytes]) -> tuple[int, int, list[KeyProof], list[bytes]] | None:
+        """The newest `index` entry (its index and what it covers), each key's proof in its
+        bucket and the nodes that prove the buckets' places under the entry's root together
+        (`TopTree.multiproof`), or None if the ledger has no `index` entry yet. One
         statement reads the entry, the rows changed since this reader's tree and the keys'
         buckets, so all are of one moment of the database."""
         buckets = sorted({bucket_of(k) for k in keys})
@@ -191,8 +192,8 @@ class MapReader:
                     self._epoch = epoch
                     self._covers = read_index(bytes(latest[0][4]))[0]
                 held = {int(r[1]): bytes(r[4]) for r in rows if r[0] == 2}
-                proofs = [prove(k, held.get(bucket_of(k), b""), self._top) for k in keys]
-                return epoch, self._covers, proofs
+                proofs = [prove(k, held.get(bucket_of(k), b"")) for k in keys]
+                return epoch, self._covers, proofs, self._top.multiproof(buckets)
         raise Unavailable("the ledger's subject map changed while it was read: retry")
 
     def _statement(self, buckets: Sequence[int]) -> tuple[str, list[Any]]:

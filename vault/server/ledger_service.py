@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from hashlib import sha256
 from typing import Any, Final, TypeVar
 
@@ -66,6 +67,15 @@ def sha256_keys(digests: Sequence[str]) -> list[bytes] | None:
 Named = TypeVar("Named")
 
 
+@dataclass(frozen=True, slots=True)
+class Tail:
+    """A look-up's tail: the entries after what the subject map covers, and the nodes of the
+    map's tree of bucket roots that prove the answer's buckets."""
+
+    entries: list[StoredEntry]
+    nodes: list[bytes]
+
+
 def _fill_proof(message: pb.SubjectMapProof, proof: KeyProof | None) -> None:
     if proof is None:
         return
@@ -74,7 +84,6 @@ def _fill_proof(message: pb.SubjectMapProof, proof: KeyProof | None) -> None:
     add = message.records.add
     for position, record, path in proof.records:
         add(position=position, record=record, path=path)
-    message.top.extend(proof.top)
 
 
 def entry_message(entry: StoredEntry) -> pb.Entry:
@@ -286,12 +295,13 @@ class LedgerService(Service, rpc.LedgerServicer):
         digests: Sequence[str],
         known_size: int,
         read: Callable[[], tuple[Named, int]],
-    ) -> tuple[SignedCheckpoint, list[StoredEntry], Sequence[KeyProof | None], Named] | None:
+    ) -> tuple[SignedCheckpoint, Tail, Sequence[KeyProof | None], Named] | None:
         """What answers a look-up of `digests` completely: the signed checkpoint it is answered
         against, the entries from the first the newest `index` entry does not cover up to that
-        checkpoint (the `index` entry among them: its tail), each digest's proof in the subject
-        map (none before the first `index` entry, when every entry is in the tail), and what
-        `read` gives (the entries naming the digests, and the newest index among them, or -1).
+        checkpoint (the `index` entry among them: its tail) with the nodes that prove the
+        digests' buckets in the subject map, each digest's proof in its bucket (none before the
+        first `index` entry, when every entry is in the tail), and what `read` gives (the
+        entries naming the digests, and the newest index among them, or -1).
 
         The map is read first, then the entries, then the checkpoint is chosen to cover both
         (and the tree the caller verified); if entries were appended meanwhile, they are read
@@ -306,18 +316,21 @@ class LedgerService(Service, rpc.LedgerServicer):
         before = self.ledger.size
         named, newest = read()
         proofs: Sequence[KeyProof | None]
+        nodes: list[bytes] = []
         if found is None:
             # No `index` entry yet (a ledger of fewer than INDEX_EVERY entries): every entry is
             # in the tail.
             covers, needed, proofs, longest = 0, newest + 1, [None] * len(keys), INDEX_EVERY
         else:
-            epoch, covers, proofs = found
+            epoch, covers, proofs, nodes = found
             needed, longest = max(epoch, newest) + 1, MAX_TAIL
         signed = self._covering(needed, known_size)
         if signed.size > before:
             named, _ = read()
-        tail = self.ledger.entries_between(covers, signed.size)
-        return (signed, tail, proofs, named) if len(tail) <= longest else None
+        entries = self.ledger.entries_between(covers, signed.size)
+        if len(entries) > longest:
+            return None
+        return signed, Tail(entries, nodes), proofs, named
 
     async def _answer(self, method: Callable[[Any], Any | None], request: Any) -> Any:
         """A look-up's answer from `method`, once the subject map covers enough of the ledger
@@ -356,9 +369,10 @@ class LedgerService(Service, rpc.LedgerServicer):
         self.prove_against(
             response,
             signed,
-            [(response.entries.add, entries), (response.map.entries.add, tail)],
+            [(response.entries.add, entries), (response.map.entries.add, tail.entries)],
             request.known_size,
         )
+        response.map.top.extend(tail.nodes)
         _fill_proof(response.proof, proof)
         return response
 
@@ -406,7 +420,7 @@ class LedgerService(Service, rpc.LedgerServicer):
         size = signed.size
         indexes = {index for entries in named.values() for index, _ in entries if index < size}
         # One proof an entry, however many of the digests asked for name it.
-        proofs = self.ledger.inclusion_proofs(indexes | {e.index for e in tail}, size)
+        proofs = self.ledger.inclusion_proofs(indexes | {e.index for e in tail.entries}, size)
         response = pb.LookupBatchResponse()
         # Each message made in place by its container's add: a message made alone and then
         # given to a container is copied.
@@ -421,8 +435,9 @@ class LedgerService(Service, rpc.LedgerServicer):
                 entry.index = index
                 entry.body = body
             _fill_proof(result.proof, map_proof)
+        response.map.top.extend(tail.nodes)
         add_tail = response.map.entries.add
-        for e in tail:
+        for e in tail.entries:
             entry = add_tail(inclusion=proofs[e.index]).entry
             entry.index = e.index
             entry.body = e.body

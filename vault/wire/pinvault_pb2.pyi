@@ -1245,8 +1245,8 @@ Global___SubjectMapRecord: _TypeAlias = SubjectMapRecord  # noqa: Y015
 
 @_typing.final
 class SubjectMapProof(_message.Message):
-    """A key's value in the subject map, or its absence: its bucket's size, where the key is or
-    would be, the record there or its neighbours, and the bucket's path to the map's root.
+    """A key's value in its bucket of the subject map, or its absence: the bucket's size, where the
+    key is or would be, and the record there or its neighbours.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1254,24 +1254,20 @@ class SubjectMapProof(_message.Message):
     BUCKET_SIZE_FIELD_NUMBER: _builtins.int
     POSITION_FIELD_NUMBER: _builtins.int
     RECORDS_FIELD_NUMBER: _builtins.int
-    TOP_FIELD_NUMBER: _builtins.int
     bucket_size: _builtins.int
     position: _builtins.int
     @_builtins.property
     def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___SubjectMapRecord]: ...
-    @_builtins.property
-    def top(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
         self,
         *,
         bucket_size: _builtins.int = ...,
         position: _builtins.int = ...,
         records: _abc.Iterable[Global___SubjectMapRecord] | None = ...,
-        top: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_size", b"bucket_size", "position", b"position", "records", b"records", "top", b"top"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_size", b"bucket_size", "position", b"position", "records", b"records"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1280,22 +1276,28 @@ Global___SubjectMapProof: _TypeAlias = SubjectMapProof  # noqa: Y015
 @_typing.final
 class SubjectMapTail(_message.Message):
     """Every entry from the first the newest `index` entry does not cover to the checkpoint, each
-    proven against it: the `index` entry is among them.
+    proven against it: the `index` entry is among them. With them, the nodes of the tree of
+    bucket roots that prove the answer's buckets under the map's root together: those the
+    buckets' own roots do not determine, level by level from the bottom, each left to right.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     ENTRIES_FIELD_NUMBER: _builtins.int
+    TOP_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProvenEntry]: ...
+    @_builtins.property
+    def top(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
         self,
         *,
         entries: _abc.Iterable[Global___ProvenEntry] | None = ...,
+        top: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "top", b"top"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
