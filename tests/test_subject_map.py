@@ -4,14 +4,15 @@ step by step is the map anyone rebuilds from the same pairs."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import random
+from bisect import bisect_left
 
 import pytest
 
 from vault.digest import digest_key
 from vault.errors import VerificationError
+from vault.ledger.merkle import MerkleTree, leaf_hash
 from vault.ledger.subject_map import (
     BUCKET_BITS,
     KeyProof,
@@ -111,21 +112,21 @@ def test_every_altered_proof_is_refused(alter: str) -> None:
             if digests[j] != asked
         ]
         around = [r for r in records if r[0] in (honest.position - 1, honest.position + 1)]
-        proof = dataclasses.replace(proof, records=tuple(around))
+        proof = proof._replace(records=tuple(around))
     elif alter == "an absent key shown named":
         other = prove(key_of(digests[0]), buckets[7])
-        proof = dataclasses.replace(other, position=other.position)
+        proof = other._replace(position=other.position)
     elif alter == "a neighbour left out":
-        proof = dataclasses.replace(proof, records=proof.records[:1])
+        proof = proof._replace(records=proof.records[:1])
     elif alter == "a record's value changed":
         position, record, path = proof.records[0]
-        proof = dataclasses.replace(proof, records=((position, record[:32] + bytes(32), path),))
+        proof = proof._replace(records=((position, record[:32] + bytes(32), path),))
     elif alter == "the bucket's size changed":
         # The last key's absence told of a bucket one record larger: its right neighbour is
         # missing.
-        proof = dataclasses.replace(proof, bucket_size=proof.bucket_size + 1)
+        proof = proof._replace(bucket_size=proof.bucket_size + 1)
     elif alter == "the position moved":
-        proof = dataclasses.replace(proof, position=proof.position + 1)
+        proof = proof._replace(position=proof.position + 1)
     with pytest.raises(VerificationError, match="subject map"):
         value = _check(key, proof, top, asked)
         # An absent key "shown named" by another key's record proves that key, not this one.
@@ -216,8 +217,8 @@ def test_two_proofs_of_one_bucket_with_two_roots_are_refused() -> None:
     first = prove(key_of(digests[0]), buckets[7])
     # The second digest's record with another value: its bucket's root differs from the first's.
     position, record, path = prove(key_of(digests[1]), buckets[7]).records[0]
-    second = dataclasses.replace(
-        prove(key_of(digests[1]), buckets[7]), records=((position, record[:32] + bytes(32), path),)
+    second = prove(key_of(digests[1]), buckets[7])._replace(
+        records=((position, record[:32] + bytes(32), path),)
     )
     with pytest.raises(VerificationError, match="another root"):
         check_keys(
@@ -225,3 +226,28 @@ def test_two_proofs_of_one_bucket_with_two_roots_are_refused() -> None:
             top.multiproof([7]),
             top.root(),
         )
+
+
+def _proven_by_the_bucket_tree(key: bytes, records: bytes) -> KeyProof:
+    """A key's proof as the general case builds it, from the bucket's whole tree."""
+    rows = records_of(records)
+    keys = [r[:32] for r in rows]
+    at = bisect_left(keys, key)
+    found = at < len(keys) and keys[at] == key
+    wanted = [at] if found else [p for p in (at - 1, at) if 0 <= p < len(rows)]
+    tree = MerkleTree(leaf_hash(r) for r in rows)
+    return KeyProof(
+        len(rows),
+        at,
+        tuple((p, rows[p], tuple(tree.inclusion_proof(p, len(rows)))) for p in wanted),
+    )
+
+
+def test_small_buckets_are_proven_as_their_tree_proves_them() -> None:
+    digests = sorted(_colliding(9), key=key_of)
+    for size in range(4):
+        named = digests[1 : 2 * size : 2]  # the digests between them are never named
+        records = merge(b"", {key_of(d): [i] for i, d in enumerate(named)})
+        for digest in digests:
+            key = key_of(digest)
+            assert prove(key, records) == _proven_by_the_bucket_tree(key, records), (size, digest)

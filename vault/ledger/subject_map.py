@@ -22,8 +22,7 @@ import re
 from array import array
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 from vault.digest import digest_key
 from vault.errors import VerificationError
@@ -150,15 +149,22 @@ class TopTree:
         nodes: list[bytes] = []
         here = sorted(set(buckets))
         for level in self.levels[:BUCKET_BITS]:
-            present = set(here)
-            nodes += [level[at ^ 1] for at in here if at ^ 1 not in present]
-            here = sorted({at >> 1 for at in here})
+            # `here` is sorted: a node's sibling is in it only as its neighbour.
+            last = len(here) - 1
+            nodes += [
+                level[at ^ 1]
+                for i, at in enumerate(here)
+                if not (
+                    (at & 1 == 0 and i < last and here[i + 1] == at + 1)
+                    or (at & 1 and i and here[i - 1] == at - 1)
+                )
+            ]
+            here = list(dict.fromkeys([at >> 1 for at in here]))
         return nodes
 
 
-@dataclass(frozen=True, slots=True)
-class KeyProof:
-    """What proves a key's value, or its absence, under a map root."""
+class KeyProof(NamedTuple):
+    """What proves a key's value, or its absence, in its bucket."""
 
     bucket_size: int
     position: int
@@ -169,21 +175,39 @@ class KeyProof:
 def prove(key: bytes, records: bytes) -> KeyProof:
     """The proof for `key` in its bucket, from the bucket's sorted `records`; the bucket's
     place in the map is proven with the others' (`TopTree.multiproof`)."""
+    size = len(records) // RECORD_SIZE
+    # Most buckets hold one record or two until the map holds some millions of digests: they
+    # are proven without building the bucket's tree.
+    if size == 0:
+        return KeyProof(0, 0, ())
+    if size == 1:  # the record is the key's, or its one neighbour
+        return KeyProof(1, 0 if key <= records[:KEY_SIZE] else 1, ((0, records, ()),))
+    if size == 2:
+        first, second = records[:RECORD_SIZE], records[RECORD_SIZE:]
+        if key <= first[:KEY_SIZE]:  # the key's record, or its right neighbour
+            return KeyProof(2, 0, ((0, first, (_sha256(b"\x00" + second).digest(),)),))
+        if key >= second[:KEY_SIZE]:  # the key's record, or its left neighbour
+            at = 1 if key == second[:KEY_SIZE] else 2
+            return KeyProof(2, at, ((1, second, (_sha256(b"\x00" + first).digest(),)),))
+        return KeyProof(
+            2,
+            1,
+            (
+                (0, first, (_sha256(b"\x00" + second).digest(),)),
+                (1, second, (_sha256(b"\x00" + first).digest(),)),
+            ),
+        )
     rows = records_of(records)
     keys = [r[:KEY_SIZE] for r in rows]
     at = bisect_left(keys, key)
     found = at < len(keys) and keys[at] == key
     wanted = [at] if found else [p for p in (at - 1, at) if 0 <= p < len(rows)]
-    if len(rows) <= 2:  # most buckets, until the map holds some millions of digests
-        leaves = [_sha256(b"\x00" + r).digest() for r in rows]
-        paths: list[tuple[bytes, ...]] = [(leaves[1],), (leaves[0],)] if len(rows) == 2 else [()]
-        shown: tuple[tuple[int, bytes, tuple[bytes, ...]], ...] = tuple(
-            (p, rows[p], paths[p]) for p in wanted
-        )
-    else:
-        tree = MerkleTree(leaf_hash(r) for r in rows)
-        shown = tuple((p, rows[p], tuple(tree.inclusion_proof(p, len(rows)))) for p in wanted)
-    return KeyProof(len(rows), at, shown)
+    tree = MerkleTree(leaf_hash(r) for r in rows)
+    return KeyProof(
+        len(rows),
+        at,
+        tuple((p, rows[p], tuple(tree.inclusion_proof(p, len(rows)))) for p in wanted),
+    )
 
 
 def check_bucket(key: bytes, proof: KeyProof, what: str) -> tuple[bytes, bytes | None]:
@@ -231,33 +255,44 @@ def root_of_buckets(roots: Mapping[int, bytes], nodes: Sequence[bytes]) -> bytes
     too many for those buckets."""
     if not roots or not all(0 <= b < BUCKETS for b in roots):
         raise VerificationError("the subject map's proof names no bucket, or one out of range")
-    here = {b: leaf_hash(r) for b, r in roots.items()}
-    given = iter(nodes)
-    taken = 0
-    for _ in range(BUCKET_BITS):
-        up: dict[int, bytes] = {}
-        for at in sorted(here):
-            if at >> 1 in up:
-                continue  # the right sibling of the node just joined
-            sibling = here.get(at ^ 1)
-            if sibling is None:
-                sibling = next(given, None)
-                taken += 1
-                if sibling is None or len(sibling) != 32:
-                    raise VerificationError(
-                        f"the subject map's proof has too few nodes, or a malformed one, for "
-                        f"the {len(roots)} buckets it proves"
-                    )
-            up[at >> 1] = (
-                node_hash(here[at], sibling) if at & 1 == 0 else node_hash(sibling, here[at])
-            )
-        here = up
-    if taken != len(nodes):
+    positions = sorted(roots)
+    hashes = [_sha256(b"\x00" + roots[b]).digest() for b in positions]
+    if len(nodes) > len(positions) * BUCKET_BITS or not all(len(n) == 32 for n in nodes):
         raise VerificationError(
-            f"the subject map's proof has {len(nodes)} nodes, not the {taken} its "
+            f"the subject map's proof has {len(nodes)} nodes, or a malformed one, for the "
+            f"{len(roots)} buckets it proves"
+        )
+    given = list(nodes)
+    taken = 0
+    sha256 = _sha256
+    for _ in range(BUCKET_BITS):
+        up_positions: list[int] = []
+        up_hashes: list[bytes] = []
+        i, count = 0, len(positions)
+        while i < count:
+            at, here = positions[i], hashes[i]
+            if at & 1 == 0 and i + 1 < count and positions[i + 1] == at + 1:
+                up_hashes.append(sha256(b"\x01" + here + hashes[i + 1]).digest())
+                i += 2
+            else:
+                if taken == len(given):
+                    raise VerificationError(
+                        f"the subject map's proof has too few nodes for the {len(roots)} "
+                        "buckets it proves"
+                    )
+                sibling = given[taken]
+                taken += 1
+                pair = here + sibling if at & 1 == 0 else sibling + here
+                up_hashes.append(sha256(b"\x01" + pair).digest())
+                i += 1
+            up_positions.append(at >> 1)
+        positions, hashes = up_positions, up_hashes
+    if taken != len(given):
+        raise VerificationError(
+            f"the subject map's proof has {len(given)} nodes, not the {taken} its "
             f"{len(roots)} buckets need"
         )
-    return here[0]
+    return hashes[0]
 
 
 def check_keys(
