@@ -32,6 +32,7 @@ from vault.errors import (
 from vault.ledger.checkpoint import Checkpoint, Verifier
 from vault.ledger.cosignature import Cosignature, WitnessPolicy
 from vault.ledger.entry import Entry
+from vault.ledger.merkle import InclusionChecker
 from vault.ledger.runid import RunInputs
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
@@ -475,8 +476,11 @@ class VaultClient:
         checkpoint = self._trust.accept(
             response.checkpoint.note, list(response.consistency.hashes), known
         )
-        tail = check_tail(response.map, checkpoint)
-        entries = self._about(wanted, [check_proven(p, checkpoint) for p in response.entries])
+        paths = InclusionChecker(checkpoint.size, checkpoint.root)
+        tail = check_tail(response.map, checkpoint, paths)
+        entries = self._about(
+            wanted, [check_proven(p, checkpoint, paths) for p in response.entries]
+        )
         check_complete([(str(wanted), entries, response.proof)], tail)
         if not entries:
             raise NotFound(
@@ -501,7 +505,8 @@ class VaultClient:
             raise VerificationError(
                 f"asked about {len(wanted)} digests, the vault answered {len(response.results)}"
             )
-        tail = check_tail(response.map, checkpoint)
+        paths = InclusionChecker(checkpoint.size, checkpoint.root)
+        tail = check_tail(response.map, checkpoint, paths)
         found: dict[str, list[ProvenEntry]] = {}
         answers = []
         for asked, digest, result in zip(digests, wanted, response.results, strict=True):
@@ -509,7 +514,9 @@ class VaultClient:
                 raise VerificationError(
                     f"asked about {digest}, the vault answered about {result.digest!r}"
                 )
-            entries = self._about(digest, [check_proven(p, checkpoint) for p in result.entries])
+            entries = self._about(
+                digest, [check_proven(p, checkpoint, paths) for p in result.entries]
+            )
             answers.append((str(digest), entries, result.proof))
             found[asked] = entries
         check_complete(answers, tail)

@@ -19,6 +19,7 @@ from vault.client.results import ProvenEntry
 from vault.errors import VerificationError
 from vault.ledger.checkpoint import Checkpoint
 from vault.ledger.entry import INDEX
+from vault.ledger.merkle import InclusionChecker
 from vault.ledger.subject_map import MAP_FORMAT, KeyProof, check_keys, key_of, value_of
 from vault.wire import pinvault_pb2 as pb
 
@@ -36,7 +37,9 @@ class MapTail:
     top: tuple[bytes, ...] = ()
 
 
-def check_tail(message: pb.SubjectMapTail, checkpoint: Checkpoint) -> MapTail:
+def check_tail(
+    message: pb.SubjectMapTail, checkpoint: Checkpoint, paths: InclusionChecker | None = None
+) -> MapTail:
     """The answer's tail, once each entry is proven in `checkpoint`, they run without a gap to
     its last entry, and (unless they are the whole ledger) the `index` entry among them covers
     exactly those before them."""
@@ -46,7 +49,7 @@ def check_tail(message: pb.SubjectMapTail, checkpoint: Checkpoint) -> MapTail:
         raise VerificationError(
             "the vault's answer does not prove it complete: it carries no index entry"
         )
-    entries = [check_proven(p, checkpoint) for p in message.entries]
+    entries = [check_proven(p, checkpoint, paths) for p in message.entries]
     start = entries[0].entry.index
     for offset, proven in enumerate(entries):
         if proven.entry.index != start + offset:

@@ -10,7 +10,7 @@ from vault.client.results import ProvenEntry
 from vault.errors import VerificationError
 from vault.ledger.checkpoint import Checkpoint
 from vault.ledger.entry import Entry
-from vault.ledger.merkle import leaf_hash, verify_inclusion
+from vault.ledger.merkle import InclusionChecker, leaf_hash, verify_inclusion
 from vault.wire import pinvault_pb2 as pb
 
 
@@ -23,12 +23,18 @@ def check_inclusion(
     return ProvenEntry(Entry.decode(body), leaf, path, checkpoint)
 
 
-def check_proven(proven: pb.ProvenEntry, checkpoint: Checkpoint) -> ProvenEntry:
+def check_proven(
+    proven: pb.ProvenEntry, checkpoint: Checkpoint, paths: InclusionChecker | None = None
+) -> ProvenEntry:
     """An entry of a look-up or admission answer, once proved in `checkpoint`'s tree and found
-    to be the entry its index says."""
+    to be the entry its index says; with `paths` (made for `checkpoint`), the part of its path
+    that an earlier entry's proved is not hashed again."""
     leaf = leaf_hash(proven.entry.body)
     path = list(proven.inclusion)
-    verify_inclusion(leaf, proven.entry.index, checkpoint.size, path, checkpoint.root)
+    if paths is None:
+        verify_inclusion(leaf, proven.entry.index, checkpoint.size, path, checkpoint.root)
+    else:
+        paths.verify(leaf, proven.entry.index, path)
     entry = Entry.decode(proven.entry.body)
     if entry.index != proven.entry.index:
         raise VerificationError(

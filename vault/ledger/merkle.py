@@ -598,6 +598,85 @@ def verify_inclusion(
         )
 
 
+class InclusionChecker:
+    """`verify_inclusion` of many leaves of one tree, as a batch look-up's answer proves them:
+    once a path meets a node an earlier path proved, and its remaining hashes are that path's,
+    the rest of it is known to lead to the root and is not hashed again (about 4 hashes a leaf
+    for 1,000 leaves of a tree of 10,000, not 14). Every path is still checked whole: a path
+    that meets a proven node with another hash, or goes on with other hashes, is hashed to the
+    root and must reach it."""
+
+    def __init__(self, size: int, root: bytes) -> None:
+        _check_size(size, "tree size")
+        _check_hash(root, f"root of tree size {size}")
+        self.size = size
+        self.root = bytes(root)
+        # (height, index of the node at that height) to its hash, the path it was proven by,
+        # and where in that path its remaining hashes start.
+        self._proven: dict[tuple[int, int], tuple[bytes, Sequence[bytes], int]] = {}
+
+    def verify(self, leaf_hash: bytes, index: int, proof: Sequence[bytes]) -> None:
+        size = self.size
+        _check_size(index, "leaf index")
+        _check_hash(leaf_hash, f"leaf hash of index {index}", index)
+        where = f"inclusion proof for index {index} in tree size {size}"
+        if index >= size:
+            raise VerificationError(
+                f"{where}: index is not below the tree size (RFC 9162 §2.1.3.2 step 1)",
+                index=index,
+            )
+        proven = self._proven
+        fn, sn, height = index, size - 1, 0
+        node = bytes(leaf_hash)
+        met: list[tuple[tuple[int, int], bytes, int]] = []
+        for used, sibling in enumerate(proof):
+            _check_hash(sibling, f"{where}: hash {used}", index)
+            if sn == 0:
+                raise VerificationError(
+                    f"{where}: has {len(proof)} hashes but a valid proof has {used} "
+                    "(RFC 9162 §2.1.3.2 step 4a)",
+                    index=index,
+                )
+            if fn & 1 or fn == sn:
+                node = _sha256(_NODE_PREFIX + sibling + node).digest()
+                while fn and not fn & 1:
+                    fn >>= 1
+                    sn >>= 1
+                    height += 1
+            else:
+                node = _sha256(_NODE_PREFIX + node + sibling).digest()
+            fn >>= 1
+            sn >>= 1
+            height += 1
+            known = proven.get((height, fn))
+            if known is not None:
+                known_node, known_path, known_at = known
+                if node == known_node and list(proof[used + 1 :]) == list(
+                    known_path[known_at + 1 :]
+                ):
+                    self._keep(met, proof)
+                    return
+            met.append(((height, fn), node, used))
+        if sn != 0:
+            raise VerificationError(
+                f"{where}: has only {len(proof)} hashes, too few to reach the root "
+                "(RFC 9162 §2.1.3.2 step 5)",
+                index=index,
+            )
+        if node != self.root:
+            raise VerificationError(
+                f"{where} leads to root {node.hex()}, not the expected {self.root.hex()} "
+                "(RFC 9162 §2.1.3.2 step 5)",
+                index=index,
+            )
+        self._keep(met, proof)
+
+    def _keep(self, met: list[tuple[tuple[int, int], bytes, int]], proof: Sequence[bytes]) -> None:
+        proven = self._proven
+        for key, node, used in met:
+            proven.setdefault(key, (node, proof, used))
+
+
 def verify_consistency(
     old_size: int, new_size: int, old_root: bytes, new_root: bytes, proof: Sequence[bytes]
 ) -> None:
