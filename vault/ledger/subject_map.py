@@ -145,7 +145,7 @@ class TopTree:
     def multiproof(self, buckets: Iterable[int]) -> list[bytes]:
         """What proves the roots of `buckets` together (`root_of_buckets`): the nodes their
         roots do not determine, level by level from the bottom, each level left to right. Of
-        one bucket, its path; of 1,000, about 6,000 nodes rather than 16,000."""
+        one bucket, its path; of 1,000, about 5,300 nodes rather than 16,000."""
         nodes: list[bytes] = []
         here = sorted(set(buckets))
         for level in self.levels[:BUCKET_BITS]:
