@@ -22,7 +22,7 @@ from vault.ledger.checkpoint import SigningKey
 from vault.ledger.db import open_database
 from vault.ledger.entry import INDEX, Entry
 from vault.ledger.log import Ledger
-from vault.ledger.records import PinSpec
+from vault.ledger.records import PinSpec, StoredEntry
 from vault.ledger.subject_map import MAP_FORMAT
 from vault.ledger.subject_map_store import INDEX_EVERY
 from vault.store.manifest import build_manifest, encode_manifest
@@ -261,6 +261,27 @@ def test_the_schedulers_is_it_pinned_is_a_proven_yes_or_a_proven_no(
         client.admit(image=image, dataset=dataset, seed=2, team="lab")
 
 
+def _append_index_entry(server: VaultServer, origin: str, beyond: int, root: str) -> StoredEntry:
+    """An `index` entry appended and signed by hand in the stopped server's ledger (as a server
+    with the database and the key could), covering every entry before it and `beyond` more,
+    with the map root `root`."""
+    db = open_database(f"sqlite:///{server.db_path}")
+    ledger = Ledger(
+        db,
+        SigningKey.load(server.data_dir / "checkpoint.key"),
+        origin=origin,
+        checkpoint_interval=3600,
+    )
+    try:
+        meta = {"covers": str(ledger.size + beyond), "map": MAP_FORMAT, "map-root": root}
+        (entry,) = ledger.append([PinSpec(INDEX, (), "vault-index", meta, False)])
+        ledger.checkpoint(entry.index + 1)
+        return entry
+    finally:
+        ledger.close()
+        db.dispose()
+
+
 def test_vault_verify_names_an_index_entry_whose_root_is_not_the_ledgers_map(
     start_vault: StartVault, tmp_path: Path
 ) -> None:
@@ -271,21 +292,7 @@ def test_vault_verify_names_an_index_entry_whose_root_is_not_the_ledgers_map(
     _pinned_twice(server, b"audited")
     assert server.run("verify").ok()
     assert server.stop() == 0
-    db = open_database(f"sqlite:///{server.db_path}")
-    ledger = Ledger(
-        db,
-        SigningKey.load(server.data_dir / "checkpoint.key"),
-        origin=env["PINVAULT_LEDGER_ORIGIN"],
-        checkpoint_interval=3600,
-    )
-    try:
-        size = ledger.size
-        meta = {"covers": str(size), "map": MAP_FORMAT, "map-root": "ab" * 32}
-        (forged,) = ledger.append([PinSpec(INDEX, (), "vault-index", meta, False)])
-        ledger.checkpoint(forged.index + 1)
-    finally:
-        ledger.close()
-        db.dispose()
+    forged = _append_index_entry(server, env["PINVAULT_LEDGER_ORIGIN"], 0, "ab" * 32)
     again = start_vault("again", data_dir=server.data_dir, env=env)
     # The map is rebuilt when asked, in one process and in chunks.
     for workers in ("1", "2"):
@@ -297,20 +304,7 @@ def test_vault_verify_names_an_index_entry_whose_root_is_not_the_ledgers_map(
     assert again.run("verify").returncode == 0
     # One that covers more entries than come before it is named either way.
     assert again.stop() == 0
-    db = open_database(f"sqlite:///{server.db_path}")
-    ledger = Ledger(
-        db,
-        SigningKey.load(server.data_dir / "checkpoint.key"),
-        origin=env["PINVAULT_LEDGER_ORIGIN"],
-        checkpoint_interval=3600,
-    )
-    try:
-        meta = {"covers": str(ledger.size + 5), "map": MAP_FORMAT, "map-root": "cd" * 32}
-        (ahead,) = ledger.append([PinSpec(INDEX, (), "vault-index", meta, False)])
-        ledger.checkpoint(ahead.index + 1)
-    finally:
-        ledger.close()
-        db.dispose()
+    ahead = _append_index_entry(server, env["PINVAULT_LEDGER_ORIGIN"], 5, "cd" * 32)
     run = start_vault("third", data_dir=server.data_dir, env=env).run("verify")
     assert run.returncode == 65, run.describe()
     assert f"index {ahead.index}: index entry {ahead.index} covers" in run.stdout, run.describe()

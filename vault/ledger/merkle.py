@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final, Protocol
 
 from vault.errors import VerificationError
@@ -544,9 +544,14 @@ def _check_size(value: int, what: str) -> None:
         raise VerificationError(f"{what} must be a non-negative integer, found {value!r}")
 
 
-def root_from_inclusion(leaf_hash: bytes, index: int, size: int, proof: Sequence[bytes]) -> bytes:
-    """The root that an inclusion proof leads to (RFC 9162 §2.1.3.2 steps 1 to 4 and the
-    length check of step 5); `verify_inclusion` compares it with the expected root."""
+def _inclusion_steps(
+    leaf_hash: bytes, index: int, size: int, proof: Sequence[bytes]
+) -> Iterator[tuple[int, int, bytes]]:
+    """The nodes an inclusion proof leads through (RFC 9162 §2.1.3.2 steps 1 to 4 and the
+    length check of step 5), each after the hash of the proof that makes it: (the hashes of
+    the proof used, the node's place, the node), where the place (its height and index at that
+    height, one number) is the same for every leaf below it in a tree of `size`. The last is
+    the root the proof leads to."""
     _check_size(index, "leaf index")
     _check_size(size, "tree size")
     _check_hash(leaf_hash, f"leaf hash of index {index}", index)
@@ -555,7 +560,7 @@ def root_from_inclusion(leaf_hash: bytes, index: int, size: int, proof: Sequence
         raise VerificationError(
             f"{where}: index is not below the tree size (RFC 9162 §2.1.3.2 step 1)", index=index
         )
-    fn, sn = index, size - 1
+    fn, sn, height = index, size - 1, 0
     node = bytes(leaf_hash)
     for used, sibling in enumerate(proof):
         _check_hash(sibling, f"{where}: hash {used}", index)
@@ -570,16 +575,27 @@ def root_from_inclusion(leaf_hash: bytes, index: int, size: int, proof: Sequence
             while fn and not fn & 1:
                 fn >>= 1
                 sn >>= 1
+                height += 1
         else:
             node = _sha256(_NODE_PREFIX + node + sibling).digest()
         fn >>= 1
         sn >>= 1
+        height += 1
+        yield used + 1, (fn << 6) | height, node
     if sn != 0:
         raise VerificationError(
             f"{where}: has only {len(proof)} hashes, too few to reach the root "
             "(RFC 9162 §2.1.3.2 step 5)",
             index=index,
         )
+
+
+def root_from_inclusion(leaf_hash: bytes, index: int, size: int, proof: Sequence[bytes]) -> bytes:
+    """The root that an inclusion proof leads to (RFC 9162 §2.1.3.2 steps 1 to 4 and the
+    length check of step 5); `verify_inclusion` compares it with the expected root."""
+    node = bytes(leaf_hash)
+    for step in _inclusion_steps(leaf_hash, index, size, proof):
+        node = step[2]
     return node
 
 
@@ -611,67 +627,33 @@ class InclusionChecker:
         _check_hash(root, f"root of tree size {size}")
         self.size = size
         self.root = bytes(root)
-        # (height, index of the node at that height) to its hash, the path it was proven by,
-        # and where in that path its remaining hashes start.
-        self._proven: dict[tuple[int, int], tuple[bytes, Sequence[bytes], int]] = {}
+        # A node's place (`_inclusion_steps`) to its hash, the path it was proven by, and
+        # where in that path the hashes above it start.
+        self._proven: dict[int, tuple[bytes, Sequence[bytes], int]] = {}
 
     def verify(self, leaf_hash: bytes, index: int, proof: Sequence[bytes]) -> None:
-        size = self.size
-        _check_size(index, "leaf index")
-        _check_hash(leaf_hash, f"leaf hash of index {index}", index)
-        where = f"inclusion proof for index {index} in tree size {size}"
-        if index >= size:
-            raise VerificationError(
-                f"{where}: index is not below the tree size (RFC 9162 §2.1.3.2 step 1)",
-                index=index,
-            )
         proven = self._proven
-        fn, sn, height = index, size - 1, 0
+        met: list[tuple[int, bytes, int]] = []
         node = bytes(leaf_hash)
-        met: list[tuple[tuple[int, int], bytes, int]] = []
-        for used, sibling in enumerate(proof):
-            _check_hash(sibling, f"{where}: hash {used}", index)
-            if sn == 0:
-                raise VerificationError(
-                    f"{where}: has {len(proof)} hashes but a valid proof has {used} "
-                    "(RFC 9162 §2.1.3.2 step 4a)",
-                    index=index,
-                )
-            if fn & 1 or fn == sn:
-                node = _sha256(_NODE_PREFIX + sibling + node).digest()
-                while fn and not fn & 1:
-                    fn >>= 1
-                    sn >>= 1
-                    height += 1
-            else:
-                node = _sha256(_NODE_PREFIX + node + sibling).digest()
-            fn >>= 1
-            sn >>= 1
-            height += 1
-            known = proven.get((height, fn))
-            if known is not None:
-                known_node, known_path, known_at = known
-                if node == known_node and list(proof[used + 1 :]) == list(
-                    known_path[known_at + 1 :]
-                ):
-                    self._keep(met, proof)
-                    return
-            met.append(((height, fn), node, used))
-        if sn != 0:
-            raise VerificationError(
-                f"{where}: has only {len(proof)} hashes, too few to reach the root "
-                "(RFC 9162 §2.1.3.2 step 5)",
-                index=index,
-            )
+        for used, place, node in _inclusion_steps(leaf_hash, index, self.size, proof):
+            known = proven.get(place)
+            if (
+                known is not None
+                and node == known[0]
+                and list(proof[used:]) == list(known[1][known[2] :])
+            ):
+                self._keep(met, proof)
+                return
+            met.append((place, node, used))
         if node != self.root:
             raise VerificationError(
-                f"{where} leads to root {node.hex()}, not the expected {self.root.hex()} "
-                "(RFC 9162 §2.1.3.2 step 5)",
+                f"inclusion proof for index {index} in tree size {self.size} leads to root "
+                f"{node.hex()}, not the expected {self.root.hex()} (RFC 9162 §2.1.3.2 step 5)",
                 index=index,
             )
         self._keep(met, proof)
 
-    def _keep(self, met: list[tuple[tuple[int, int], bytes, int]], proof: Sequence[bytes]) -> None:
+    def _keep(self, met: list[tuple[int, bytes, int]], proof: Sequence[bytes]) -> None:
         proven = self._proven
         for key, node, used in met:
             proven.setdefault(key, (node, proof, used))

@@ -197,6 +197,11 @@ def prove(key: bytes, records: bytes) -> KeyProof:
                 (1, second, (_sha256(b"\x00" + first).digest(),)),
             ),
         )
+    return prove_in_tree(key, records)
+
+
+def prove_in_tree(key: bytes, records: bytes) -> KeyProof:
+    """`prove` for a bucket of any size, from the bucket's whole tree."""
     rows = records_of(records)
     keys = [r[:KEY_SIZE] for r in rows]
     at = bisect_left(keys, key)
