@@ -11,8 +11,10 @@ import pytest
 
 from vault.digest import digest_key
 from vault.errors import VerificationError
+from vault.ledger.merkle import leaf_hash, root_from_inclusion
 from vault.ledger.subject_map import (
     BUCKET_BITS,
+    BUCKETS,
     KeyProof,
     TopTree,
     bucket_of,
@@ -183,8 +185,11 @@ def test_many_keys_are_proven_together_by_fewer_nodes_than_their_paths() -> None
     assert len(nodes) < len(asked) * BUCKET_BITS * 0.45
     values = check_keys(keys, nodes, top.root())
     assert values == [value_of(named[d]) if d in named else None for d in asked]
-    # The nodes of one bucket are its path.
-    assert top.multiproof([300]) == top.path(300)
+    # The nodes of one bucket are its RFC 9162 inclusion proof in the tree of bucket roots.
+    (bucket, records), *_ = buckets.items()
+    path = top.multiproof([bucket])
+    assert len(path) == BUCKET_BITS
+    assert root_from_inclusion(leaf_hash(bucket_root(records)), bucket, BUCKETS, path) == top.root()
 
 
 @pytest.mark.parametrize(

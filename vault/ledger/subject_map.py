@@ -138,10 +138,6 @@ class TopTree:
     def root(self) -> bytes:
         return self.levels[-1][0]
 
-    def path(self, bucket: int) -> list[bytes]:
-        """The bucket's inclusion proof in the tree: its siblings, bottom up."""
-        return [self.levels[level][(bucket >> level) ^ 1] for level in range(BUCKET_BITS)]
-
     def multiproof(self, buckets: Iterable[int]) -> list[bytes]:
         """What proves the roots of `buckets` together (`root_of_buckets`): the nodes their
         roots do not determine, level by level from the bottom, each level left to right. Of
