@@ -385,10 +385,31 @@ def test_a_get_given_up_cancels_its_call_so_no_thread_waits_on_a_server_that_hol
         assert bytes(piped.next_chunk() or b"") == b"x" * 1024
         taker = next(t for t in threading.enumerate() if t.name == "pinvault-get-messages")
         piped.close()
-        taker.join(5)
+        # Given back by the time close returns: none is left inside a call as the process exits.
         assert call.cancelled.is_set()
         assert not taker.is_alive()
     finally:
         call.cancel()
         os.close(read_end)
         os.close(write_end)
+
+
+def test_a_spooled_range_refused_past_the_end_leaves_no_thread_in_its_call(
+    client: VaultClient, tmp_path: Path
+) -> None:
+    """`vault get --offset … --length …` past a blob's end: the whole blob is handed off into a
+    spool, the range refused once its size is known, and the call's message thread is gone by
+    the time the refusal reaches the caller (one left inside gRPC can hang the process's exit)."""
+    source = tmp_path / "short.bin"
+    write_file(source, size=1000, seed=9)
+    put = client.put(source)
+    for _ in range(20):
+        with (
+            open(tmp_path / "out", "wb") as out,
+            pytest.raises(
+                InvalidArgument, match=r"range 900\+101 is beyond the end of .* \(1000 bytes\)"
+            ),
+        ):
+            client.copy_to(str(put.blob.sha256), out.fileno(), offset=900, length=101)
+        assert [t for t in threading.enumerate() if t.name == "pinvault-get-messages"] == []
+    assert (tmp_path / "out").read_bytes() == b""

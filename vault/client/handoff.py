@@ -178,10 +178,13 @@ class PipedGet:
 
     def close(self) -> None:
         """Cancel the call unless it has ended (a get given up, or a server that keeps the call
-        open past its pipe), so the thread taking its messages ends with it."""
+        open past its pipe), and wait for the thread taking its messages to end with it: a
+        thread left inside the call as the process exits can hang the exit in gRPC's own
+        shutdown."""
         cancel = getattr(self._messages, "cancel", None)
         if cancel is not None and not self._ended.is_set():
             cancel()
+        self._thread.join(_ANSWER_WITHIN)
 
     def _finish(self, within: float) -> None:
         if not self._ended.wait(within):
