@@ -18,6 +18,7 @@ import pytest
 
 from tests.services.vault_server import VaultServer
 from vault.client.results import BlobInfo
+from vault.errors import VerificationError
 from vault.ledger.checkpoint import Checkpoint, SigningKey
 from vault.ledger.db import Database, open_database
 from vault.ledger.log import Ledger
@@ -28,6 +29,7 @@ from vault.ledger.merkle import (
     MerkleTree,
     leaf_hash,
     verify_inclusion,
+    verify_multiproof,
 )
 from vault.ledger.records import PinSpec
 from vault.wire import pinvault_pb2 as pb
@@ -95,6 +97,78 @@ def test_a_batch_of_proofs_is_each_leaf_s_own_proof_in_every_tree_size(shape: st
                 verify_inclusion(LEAVES[index], index, size, proof, WHOLE.root(size))
 
 
+@pytest.mark.parametrize("shape", ["held whole", "resumed from tiles", "resumed, then grown"])
+def test_a_shared_proof_gives_each_leaf_its_own_proof_in_every_tree_size(shape: str) -> None:
+    rng = random.Random(shape)
+    for size in (1, 2, 3, 255, 256, 257, 300, 511, 512, 513, 700, 1000, len(LEAVES)):
+        tree = trees()[shape]
+        for batch in (
+            [size - 1],
+            list(range(size)),
+            list(range(0, size, TILE_LEAVES)),
+            rng.sample(range(size), min(size, 40)),
+            [0, size - 1, size // 2],
+        ):
+            nodes = tree.multiproof(batch, size)
+            paths = verify_multiproof({i: LEAVES[i] for i in batch}, size, nodes, WHOLE.root(size))
+            assert sorted(paths) == sorted(set(batch))
+            for index, path in paths.items():
+                assert path == WHOLE.inclusion_proof(index, size), (shape, size, index)
+            # Each node of the union of the paths once, and none the leaves give.
+            union = {(n, h) for path in paths.values() for n, h in enumerate(path)}
+            assert len(nodes) <= len(union)
+            if len(batch) == size:
+                assert nodes == []
+
+
+def test_a_shared_proof_with_a_node_added_left_out_or_changed_is_refused() -> None:
+    tree = MerkleTree(LEAVES[:40])
+    rng = random.Random(7)
+    for size in range(1, 41):
+        root = tree.root(size)
+        for batch in ([0], [size - 1], rng.sample(range(size), min(size, 5)), list(range(size))):
+            leaves = {i: LEAVES[i] for i in batch}
+            nodes = tree.multiproof(batch, size)
+            verify_multiproof(leaves, size, nodes, root)
+            lies = [
+                ([*nodes, LEAVES[0]], "too many|were needed"),
+                *[
+                    (nodes[:at] + nodes[at + 1 :], "too few|another root|expected")
+                    for at in range(len(nodes))
+                ],
+                *[
+                    ([*nodes[:at], _flip(nodes[at]), *nodes[at + 1 :]], "expected")
+                    for at in range(len(nodes))
+                ],
+            ]
+            if len(nodes) > 1:
+                lies.append((nodes[::-1], "expected"))
+            for bad, complaint in lies:
+                if bad == nodes:
+                    continue
+                with pytest.raises(VerificationError, match=complaint):
+                    verify_multiproof(leaves, size, bad, root)
+            # A leaf changed, or claimed at another index.
+            first = batch[0]
+            with pytest.raises(VerificationError, match="expected"):
+                verify_multiproof({**leaves, first: _flip(leaves[first])}, size, nodes, root)
+            if size > len(batch):
+                moved = next(i for i in range(size) if i not in leaves)
+                elsewhere = {moved if i == first else i: h for i, h in leaves.items()}
+                with pytest.raises(VerificationError):
+                    verify_multiproof(elsewhere, size, nodes, root)
+        with pytest.raises(VerificationError, match=f"no leaf {size} in the tree"):
+            verify_multiproof({size: LEAVES[0]}, size, [], root)
+        alone = tree.multiproof([0], size)
+        if alone:
+            with pytest.raises(VerificationError, match=r"node 0 of .* must be 32 bytes"):
+                verify_multiproof({0: LEAVES[0]}, size, [b"short", *alone[1:]], root)
+
+
+def _flip(node: bytes) -> bytes:
+    return bytes([node[0] ^ 1]) + node[1:]
+
+
 def test_a_batch_reads_each_tile_it_needs_once() -> None:
     tiles = Tiles()
     tree = resumed(tiles)
@@ -104,6 +178,11 @@ def test_a_batch_reads_each_tile_it_needs_once() -> None:
     proofs = tree.inclusion_proofs(batch, tree.size)
     assert len(proofs) == len(batch)
     assert tiles.reads == Counter({1: 1, 3: 1})
+    # Their shared proof needs no node of tile 1 below height 8: all are on the paths.
+    tiles = Tiles()
+    tree = resumed(tiles)
+    assert len(tree.multiproof(batch, tree.size)) > 0
+    assert tiles.reads == Counter({3: 1})
 
 
 def test_a_proof_in_a_tree_that_ends_inside_a_tile_let_go_of_is_right() -> None:
@@ -275,11 +354,20 @@ def test_a_batch_look_up_answers_what_single_look_ups_answer(restarted: Restarte
             assert [(e.entry.index, e.entry.body) for e in result.entries] == [
                 (e.entry.index, e.entry.body) for e in single.entries
             ]
-            for proven in result.entries:
-                proof = ledger.GetInclusionProof(
-                    pb.InclusionProofRequest(index=proven.entry.index, size=size)
-                )
-                assert list(proven.inclusion) == list(proof.hashes)
+            # The entries carry no proofs of their own: the answer's shared proof proves them.
+            assert [list(proven.inclusion) for proven in result.entries] == [
+                [] for _ in result.entries
+            ]
+        leaves = {
+            p.entry.index: leaf_hash(p.entry.body)
+            for p in [*batch.map.entries, *(p for r in batch.results for p in r.entries)]
+        }
+        checkpoint = opened(server, batch.checkpoint.note)
+        paths = verify_multiproof(leaves, size, batch.inclusion, checkpoint.root)
+        for index, path in paths.items():
+            proof = ledger.GetInclusionProof(pb.InclusionProofRequest(index=index, size=size))
+            assert path == list(proof.hashes)
+        assert len(batch.inclusion) < sum(map(len, paths.values())) / 2
         consistency = ledger.GetConsistencyProof(
             pb.ConsistencyProofRequest(old_size=known, new_size=size)
         )

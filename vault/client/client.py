@@ -16,7 +16,13 @@ from typing import IO, TYPE_CHECKING, Final
 
 from vault.client.channel import Credentials, open_channel, rpc_errors, with_default_port
 from vault.client.complete import check_complete, check_tail
-from vault.client.proofs import check_inclusion, check_proven, names_any, not_about
+from vault.client.proofs import (
+    check_inclusion,
+    check_proven,
+    check_proven_together,
+    names_any,
+    not_about,
+)
 from vault.client.results import Admission, BlobInfo, ProvenEntry, PutResult, Stat
 from vault.client.state import LedgerStates, StateFile, TrustState
 from vault.client.trust import DEFAULT_MAX_WITNESS_AGE
@@ -477,7 +483,11 @@ class VaultClient:
             response.checkpoint.note, list(response.consistency.hashes), known
         )
         paths = InclusionChecker(checkpoint.size, checkpoint.root)
-        tail = check_tail(response.map, checkpoint, paths)
+        tail = check_tail(
+            response.map,
+            checkpoint,
+            [check_proven(p, checkpoint, paths) for p in response.map.entries],
+        )
         entries = self._about(
             wanted, [check_proven(p, checkpoint, paths) for p in response.entries]
         )
@@ -505,8 +515,13 @@ class VaultClient:
             raise VerificationError(
                 f"asked about {len(wanted)} digests, the vault answered {len(response.results)}"
             )
-        paths = InclusionChecker(checkpoint.size, checkpoint.root)
-        tail = check_tail(response.map, checkpoint, paths)
+        # The tail's entries first, then each result's, proven by the answer's shared proof.
+        messages = list(response.map.entries)
+        for result in response.results:
+            messages += result.entries
+        proven = check_proven_together(messages, response.inclusion, checkpoint)
+        tail = check_tail(response.map, checkpoint, proven[: len(response.map.entries)])
+        at = len(response.map.entries)
         found: dict[str, list[ProvenEntry]] = {}
         answers = []
         for asked, digest, result in zip(digests, wanted, response.results, strict=True):
@@ -514,9 +529,8 @@ class VaultClient:
                 raise VerificationError(
                     f"asked about {digest}, the vault answered about {result.digest!r}"
                 )
-            entries = self._about(
-                digest, [check_proven(p, checkpoint, paths) for p in result.entries]
-            )
+            entries = self._about(digest, proven[at : at + len(result.entries)])
+            at += len(result.entries)
             answers.append((str(digest), entries, result.proof))
             found[asked] = entries
         check_complete(answers, tail)

@@ -14,12 +14,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vault.client.proofs import check_proven
 from vault.client.results import ProvenEntry
 from vault.errors import VerificationError
 from vault.ledger.checkpoint import Checkpoint
 from vault.ledger.entry import INDEX
-from vault.ledger.merkle import InclusionChecker
 from vault.ledger.subject_map import MAP_FORMAT, KeyProof, check_keys, key_of, value_of
 from vault.wire import pinvault_pb2 as pb
 
@@ -38,18 +36,18 @@ class MapTail:
 
 
 def check_tail(
-    message: pb.SubjectMapTail, checkpoint: Checkpoint, paths: InclusionChecker | None = None
+    message: pb.SubjectMapTail, checkpoint: Checkpoint, entries: Sequence[ProvenEntry]
 ) -> MapTail:
-    """The answer's tail, once each entry is proven in `checkpoint`, they run without a gap to
-    its last entry, and (unless they are the whole ledger) the `index` entry among them covers
-    exactly those before them."""
-    if checkpoint.size == 0 and not message.entries:
+    """The answer's tail, once its entries (`message.entries`, each already proven in
+    `checkpoint`) run without a gap to its last entry, and (unless they are the whole ledger)
+    the `index` entry among them covers exactly those before them."""
+    if checkpoint.size == 0 and not entries:
         return MapTail(0, None, [])
-    if not message.entries:
+    if not entries:
         raise VerificationError(
             "the vault's answer does not prove it complete: it carries no index entry"
         )
-    entries = [check_proven(p, checkpoint, paths) for p in message.entries]
+    entries = list(entries)
     start = entries[0].entry.index
     for offset, proven in enumerate(entries):
         if proven.entry.index != start + offset:

@@ -4,13 +4,13 @@ asked for. No I/O here."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from vault.client.results import ProvenEntry
 from vault.errors import VerificationError
 from vault.ledger.checkpoint import Checkpoint
 from vault.ledger.entry import Entry
-from vault.ledger.merkle import InclusionChecker, leaf_hash, verify_inclusion
+from vault.ledger.merkle import InclusionChecker, leaf_hash, verify_inclusion, verify_multiproof
 from vault.wire import pinvault_pb2 as pb
 
 
@@ -42,6 +42,33 @@ def check_proven(
             index=proven.entry.index,
         )
     return ProvenEntry(entry, leaf, path, checkpoint)
+
+
+def check_proven_together(
+    messages: Sequence[pb.ProvenEntry], nodes: Sequence[bytes], checkpoint: Checkpoint
+) -> list[ProvenEntry]:
+    """The entries of a batch answer, once `nodes` (the answer's shared inclusion proof) prove
+    them all in `checkpoint`'s tree and each is the entry its index says; an entry the answer
+    gives more than once is decoded once, and refused if it comes with two bodies."""
+    leaves: dict[int, bytes] = {}
+    bodies: dict[int, bytes] = {}
+    for message in messages:
+        index, body = message.entry.index, message.entry.body
+        known = bodies.setdefault(index, body)
+        if known is not body and known != body:
+            raise VerificationError(
+                f"the vault's answer gives entry {index} with two different bodies", index=index
+            )
+        if index not in leaves:
+            leaves[index] = leaf_hash(body)
+    paths = verify_multiproof(leaves, checkpoint.size, nodes, checkpoint.root)
+    proven: dict[int, ProvenEntry] = {}
+    for index, body in bodies.items():
+        entry = Entry.decode(body)
+        if entry.index != index:
+            raise VerificationError(f"entry {index} says it is entry {entry.index}", index=index)
+        proven[index] = ProvenEntry(entry, leaves[index], paths[index], checkpoint)
+    return [proven[message.entry.index] for message in messages]
 
 
 def names_any(names: Collection[str], proven: ProvenEntry) -> bool:

@@ -806,6 +806,15 @@ class Ledger:
             raise InvalidArgument(f"index {max(wanted)} is not in a tree of size {size}")
         return self._tree.inclusion_proofs(wanted, size)
 
+    def multiproof(self, indexes: Iterable[int], size: int) -> list[bytes]:
+        """The nodes that prove the entries at `indexes` in the tree of `size` leaves together
+        (`MerkleTree.multiproof`: a batch look-up's answer)."""
+        self._require(size)
+        wanted = set(indexes)
+        if wanted and max(wanted) >= size:
+            raise InvalidArgument(f"index {max(wanted)} is not in a tree of size {size}")
+        return self._tree.multiproof(wanted, size)
+
     def consistency_proof(self, old_size: int, new_size: int) -> list[bytes]:
         self._require(new_size)
         if old_size > new_size:

@@ -419,9 +419,11 @@ class LedgerService(Service, rpc.LedgerServicer):
         signed, tail, map_proofs, named = complete
         size = signed.size
         indexes = {index for entries in named.values() for index, _ in entries if index < size}
-        # One proof an entry, however many of the digests asked for name it.
-        proofs = self.ledger.inclusion_proofs(indexes | {e.index for e in tail.entries}, size)
         response = pb.LookupBatchResponse()
+        # The entries proven together, each node once, however many entries share it.
+        response.inclusion.extend(
+            self.ledger.multiproof(indexes.union(e.index for e in tail.entries), size)
+        )
         # Each message made in place by its container's add: a message made alone and then
         # given to a container is copied.
         add = response.results.add
@@ -431,14 +433,14 @@ class LedgerService(Service, rpc.LedgerServicer):
             for index, body in named[d]:
                 if index >= size:
                     break
-                entry = add_entry(inclusion=proofs[index]).entry
+                entry = add_entry().entry
                 entry.index = index
                 entry.body = body
             _fill_proof(result.proof, map_proof)
         response.map.top.extend(tail.nodes)
         add_tail = response.map.entries.add
         for e in tail.entries:
-            entry = add_tail(inclusion=proofs[e.index]).entry
+            entry = add_tail().entry
             entry.index = e.index
             entry.body = e.body
         self._seal(response, signed, request.known_size)

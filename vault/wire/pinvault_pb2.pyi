@@ -1355,12 +1355,19 @@ Global___LookupResult: _TypeAlias = LookupResult  # noqa: Y015
 
 @_typing.final
 class LookupBatchResponse(_message.Message):
+    """The entries of `results` and of `map` carry no inclusion proofs of their own: `inclusion`
+    proves them all in the checkpoint's tree together. It holds, at each height from the leaves
+    up and left to right, the sibling of every node on an entry's path that is neither on such a
+    path itself nor missing (a level's last node, carried up as RFC 9162 does): each node once.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     RESULTS_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     CONSISTENCY_FIELD_NUMBER: _builtins.int
     MAP_FIELD_NUMBER: _builtins.int
+    INCLUSION_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___LookupResult]: ...
     @_builtins.property
@@ -1369,6 +1376,8 @@ class LookupBatchResponse(_message.Message):
     def consistency(self) -> Global___ConsistencyProof: ...
     @_builtins.property
     def map(self) -> Global___SubjectMapTail: ...
+    @_builtins.property
+    def inclusion(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
         self,
         *,
@@ -1376,10 +1385,11 @@ class LookupBatchResponse(_message.Message):
         checkpoint: Global___Checkpoint | None = ...,
         consistency: Global___ConsistencyProof | None = ...,
         map: Global___SubjectMapTail | None = ...,
+        inclusion: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "map", b"map"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "map", b"map", "results", b"results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "inclusion", b"inclusion", "map", b"map", "results", b"results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
