@@ -78,12 +78,13 @@ def _pinned_twice(server: VaultServer, data: bytes) -> tuple[str, list[int]]:
     return digest, [first.entry.index, second.entry.index]
 
 
-def _without(index: int) -> Any:
+def _without(index: int, address: str) -> Any:
     def rule(request: Any, answer: pb.LookupResponse) -> pb.LookupResponse:
         kept = [p for p in answer.entries if p.entry.index != index]
         del answer.entries[:]
         answer.entries.extend(kept)
-        return answer
+        # A server that knows its tree proves what it kept, and only that.
+        return _reproven(answer, address)
 
     return rule
 
@@ -93,7 +94,7 @@ def test_an_entry_left_out_of_a_lookup_is_refused_whether_the_map_or_the_tail_na
 ) -> None:
     digest, (covered, recent) = _pinned_twice(vault_server, b"pinned before and after an index")
     for left_out, words in ((covered, "signed subject map"), (recent, "after the subject map")):
-        proxy.tamper("Ledger/Lookup", _without(left_out))
+        proxy.tamper("Ledger/Lookup", _without(left_out, vault_server.address))
         run = through(proxy, vault_server, "lookup", digest, "--json", state=tmp_path / "s")
         _refused(run, digest, "not complete", words)
         with (
@@ -115,14 +116,14 @@ def test_a_pinned_digest_said_never_pinned_is_refused(
 
     def everything_left_out(request: Any, answer: pb.LookupResponse) -> pb.LookupResponse:
         del answer.entries[:]
-        return answer
+        return _reproven(answer, vault_server.address)
 
     def another_digests_absence(request: Any, answer: pb.LookupResponse) -> pb.LookupResponse:
         # A true proof that some other digest was never pinned, in the answer's place.
         absent = ledger.Lookup(pb.LookupRequest(digest=NEVER_PINNED, known_size=request.known_size))
         del answer.entries[:]
         answer.proof.CopyFrom(absent.proof)
-        return answer
+        return _reproven(answer, vault_server.address)
 
     def not_found(request: Any, answer: pb.LookupResponse) -> Abort:
         # What a vault said of a digest never pinned before look-ups were proven complete.
@@ -132,7 +133,7 @@ def test_a_pinned_digest_said_never_pinned_is_refused(
         del answer.entries[:]
         del answer.map.entries[:]
         answer.ClearField("proof")
-        return answer
+        return _reproven(answer, vault_server.address)
 
     cases = (
         (everything_left_out, ("not complete", "answer gives 0")),
@@ -239,13 +240,17 @@ def test_a_batch_lookup_with_an_entry_left_out_or_its_tail_cut_is_refused(
     assert found[NEVER_PINNED] == []
 
 
-def _reproven(answer: pb.LookupBatchResponse, address: str) -> pb.LookupBatchResponse:
-    """`answer` with its shared inclusion proof made anew for the entries it now holds, from
-    their inclusion proofs (`MerkleTree.multiproof`'s nodes: at each height, left to right, the
-    siblings of the paths' nodes that are not on a path and not missing)."""
+def _reproven(answer: Any, address: str) -> Any:
+    """A look-up's `answer` (single or batch) with its shared inclusion proof made anew for the
+    entries it now holds, from their inclusion proofs (`MerkleTree.multiproof`'s nodes: at
+    each height, left to right, the siblings of the paths' nodes that are not on a path and
+    not missing)."""
     size = int(answer.checkpoint.note.split("\n")[1])
     indexes = {p.entry.index for p in answer.map.entries}
-    indexes |= {p.entry.index for r in answer.results for p in r.entries}
+    if isinstance(answer, pb.LookupBatchResponse):
+        indexes |= {p.entry.index for r in answer.results for p in r.entries}
+    else:
+        indexes |= {p.entry.index for p in answer.entries}
     with grpc.insecure_channel(address) as channel:
         ledger = rpc.LedgerStub(channel)
         paths = {

@@ -13,13 +13,13 @@ from vault.ledger import merkle
 from vault.ledger.merkle import (
     EMPTY_ROOT,
     CompactRange,
-    InclusionChecker,
     MerkleTree,
     leaf_hash,
     node_hash,
     root_from_inclusion,
     verify_consistency,
     verify_inclusion,
+    verify_multiproof,
 )
 
 MAX_SIZE = 40
@@ -460,51 +460,14 @@ def test_leaf_hashes_read_back_are_checked_and_a_wrong_candidate_is_passed_over(
         MerkleTree.resume(1024, whole.nodes(8, 0, 3), lambda t: [])
 
 
-def _tampered(proof: list[bytes], index: int, size: int) -> list[tuple[int, list[bytes]]]:
-    """(index, path) pairs an honest leaf must not be proven by: each hash flipped, one hash
-    short, one too many, and the leaf's proof given for its neighbour's index."""
-    cases = [
-        (index, [*proof[:p], _flip(proof[p], p % 32), *proof[p + 1 :]]) for p in range(len(proof))
-    ]
-    if proof:
-        cases.append((index, proof[:-1]))
-    cases.append((index, [*proof, LEAVES[0]]))
-    if size > 1:
-        cases.append(((index + 1) % size, proof))
-    return cases
-
-
-def test_many_paths_checked_together_accept_exactly_what_each_checked_alone_accepts(
-    tree: MerkleTree,
-) -> None:
-    for size in (1, 2, 7, 16, 31, MAX_SIZE):
-        checker = InclusionChecker(size, REF_ROOTS[size])
-        # Every honest path first, in an order whose paths meet above their leaves.
-        order = sorted(range(size), key=lambda i: (i * 7) % size)
-        for index in order:
-            checker.verify(LEAVES[index], index, tree.inclusion_proof(index, size))
-        # Then every lie, each told after the true paths it shares nodes with were proven.
-        for index in order:
-            proof = tree.inclusion_proof(index, size)
-            for at, bad in _tampered(proof, index, size):
-                with pytest.raises(VerificationError):
-                    verify_inclusion(LEAVES[index], at, size, bad, REF_ROOTS[size])
-                with pytest.raises(VerificationError) as caught:
-                    checker.verify(LEAVES[index], at, bad)
-                assert caught.value.index == at, (size, index, at)
-            with pytest.raises(VerificationError):
-                checker.verify(_flip(LEAVES[index]), index, proof)
-    with pytest.raises(VerificationError, match="not below the tree size"):
-        InclusionChecker(7, REF_ROOTS[7]).verify(LEAVES[0], 7, [])
-
-
-def test_paths_checked_together_hash_each_shared_node_once(
+def test_a_shared_proof_hashes_each_node_above_its_leaves_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     leaves = [leaf_hash(n.to_bytes(4, "big")) for n in range(10_000)]
     tree = MerkleTree(leaves)
     wanted = range(0, 10_000, 10)
     proofs = {index: tree.inclusion_proof(index, 10_000) for index in wanted}
+    nodes = tree.multiproof(wanted, 10_000)
     hashed = 0
 
     def counting(data: bytes) -> Any:
@@ -513,11 +476,11 @@ def test_paths_checked_together_hash_each_shared_node_once(
         return hashlib.sha256(data)
 
     monkeypatch.setattr(merkle, "_sha256", counting)
-    checker = InclusionChecker(10_000, tree.root(10_000))
-    for index in wanted:
-        checker.verify(leaves[index], index, proofs[index])
+    paths = verify_multiproof({i: leaves[i] for i in wanted}, 10_000, nodes, tree.root(10_000))
     together, hashed = hashed, 0
     for index in wanted:
         verify_inclusion(leaves[index], index, 10_000, proofs[index], tree.root(10_000))
+    assert paths == proofs
     # About the nodes of the union of the paths (5 a leaf here), not 14 a leaf.
     assert together < 6 * len(wanted) and together * 2 < hashed
+    assert len(nodes) * 2 < sum(map(len, proofs.values()))

@@ -38,7 +38,6 @@ from vault.errors import (
 from vault.ledger.checkpoint import Checkpoint, Verifier
 from vault.ledger.cosignature import Cosignature, WitnessPolicy
 from vault.ledger.entry import Entry
-from vault.ledger.merkle import InclusionChecker
 from vault.ledger.runid import RunInputs
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
@@ -482,15 +481,11 @@ class VaultClient:
         checkpoint = self._trust.accept(
             response.checkpoint.note, list(response.consistency.hashes), known
         )
-        paths = InclusionChecker(checkpoint.size, checkpoint.root)
-        tail = check_tail(
-            response.map,
-            checkpoint,
-            [check_proven(p, checkpoint, paths) for p in response.map.entries],
+        proven = check_proven_together(
+            [*response.map.entries, *response.entries], response.inclusion, checkpoint
         )
-        entries = self._about(
-            wanted, [check_proven(p, checkpoint, paths) for p in response.entries]
-        )
+        tail = check_tail(response.map, checkpoint, proven[: len(response.map.entries)])
+        entries = self._about(wanted, proven[len(response.map.entries) :])
         check_complete([(str(wanted), entries, response.proof)], tail)
         if not entries:
             raise NotFound(

@@ -10,7 +10,7 @@ from vault.client.results import ProvenEntry
 from vault.errors import VerificationError
 from vault.ledger.checkpoint import Checkpoint
 from vault.ledger.entry import Entry
-from vault.ledger.merkle import InclusionChecker, leaf_hash, verify_inclusion, verify_multiproof
+from vault.ledger.merkle import leaf_hash, verify_inclusion, verify_multiproof
 from vault.wire import pinvault_pb2 as pb
 
 
@@ -23,18 +23,12 @@ def check_inclusion(
     return ProvenEntry(Entry.decode(body), leaf, path, checkpoint)
 
 
-def check_proven(
-    proven: pb.ProvenEntry, checkpoint: Checkpoint, paths: InclusionChecker | None = None
-) -> ProvenEntry:
-    """An entry of a look-up or admission answer, once proved in `checkpoint`'s tree and found
-    to be the entry its index says; with `paths` (made for `checkpoint`), the part of its path
-    that an earlier entry's proved is not hashed again."""
+def check_proven(proven: pb.ProvenEntry, checkpoint: Checkpoint) -> ProvenEntry:
+    """An entry of an answer that proves it alone (an admission's), once proved in
+    `checkpoint`'s tree and found to be the entry its index says."""
     leaf = leaf_hash(proven.entry.body)
     path = list(proven.inclusion)
-    if paths is None:
-        verify_inclusion(leaf, proven.entry.index, checkpoint.size, path, checkpoint.root)
-    else:
-        paths.verify(leaf, proven.entry.index, path)
+    verify_inclusion(leaf, proven.entry.index, checkpoint.size, path, checkpoint.root)
     entry = Entry.decode(proven.entry.body)
     if entry.index != proven.entry.index:
         raise VerificationError(
@@ -47,7 +41,7 @@ def check_proven(
 def check_proven_together(
     messages: Sequence[pb.ProvenEntry], nodes: Sequence[bytes], checkpoint: Checkpoint
 ) -> list[ProvenEntry]:
-    """The entries of a batch answer, once `nodes` (the answer's shared inclusion proof) prove
+    """The entries of a look-up's answer, once `nodes` (its shared inclusion proof) prove
     them all in `checkpoint`'s tree and each is the entry its index says; an entry the answer
     gives more than once is decoded once, and refused if it comes with two bodies."""
     leaves: dict[int, bytes] = {}

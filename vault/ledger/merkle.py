@@ -657,51 +657,6 @@ def verify_inclusion(
         )
 
 
-class InclusionChecker:
-    """`verify_inclusion` of many leaves of one tree, as a batch look-up's answer proves them:
-    once a path meets a node an earlier path proved, and its remaining hashes are that path's,
-    the rest of it is known to lead to the root and is not hashed again (about 5 hashes a leaf
-    for 1,000 leaves of a tree of 10,000, not 14). Every path is still checked whole: a path
-    that meets a proven node with another hash, or goes on with other hashes, is hashed to the
-    root and must reach it."""
-
-    def __init__(self, size: int, root: bytes) -> None:
-        _check_size(size, "tree size")
-        _check_hash(root, f"root of tree size {size}")
-        self.size = size
-        self.root = bytes(root)
-        # A node's place (`_inclusion_steps`) to its hash, the path it was proven by, and
-        # where in that path the hashes above it start.
-        self._proven: dict[int, tuple[bytes, Sequence[bytes], int]] = {}
-
-    def verify(self, leaf_hash: bytes, index: int, proof: Sequence[bytes]) -> None:
-        proven = self._proven
-        met: list[tuple[int, bytes, int]] = []
-        node = bytes(leaf_hash)
-        for used, place, node in _inclusion_steps(leaf_hash, index, self.size, proof):
-            known = proven.get(place)
-            if (
-                known is not None
-                and node == known[0]
-                and list(proof[used:]) == list(known[1][known[2] :])
-            ):
-                self._keep(met, proof)
-                return
-            met.append((place, node, used))
-        if node != self.root:
-            raise VerificationError(
-                f"inclusion proof for index {index} in tree size {self.size} leads to root "
-                f"{node.hex()}, not the expected {self.root.hex()} (RFC 9162 §2.1.3.2 step 5)",
-                index=index,
-            )
-        self._keep(met, proof)
-
-    def _keep(self, met: list[tuple[int, bytes, int]], proof: Sequence[bytes]) -> None:
-        proven = self._proven
-        for key, node, used in met:
-            proven.setdefault(key, (node, proof, used))
-
-
 def verify_multiproof(
     leaves: dict[int, bytes], size: int, nodes: Sequence[bytes], root: bytes
 ) -> dict[int, list[bytes]]:

@@ -5,7 +5,7 @@ checkpoints an auditor re-derives."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from hashlib import sha256
 from typing import Any, Final, TypeVar
@@ -84,6 +84,15 @@ def _fill_proof(message: pb.SubjectMapProof, proof: KeyProof | None) -> None:
     add = message.records.add
     for position, record, path in proof.records:
         add(position=position, record=record, path=path)
+
+
+def _add_entries(add: Callable[[], pb.ProvenEntry], entries: Iterable[tuple[int, bytes]]) -> None:
+    """Each (index, body) as a ProvenEntry made by `add`, with no proof of its own: the
+    answer's shared inclusion proof proves it."""
+    for index, body in entries:
+        entry = add().entry
+        entry.index = index
+        entry.body = body
 
 
 def entry_message(entry: StoredEntry) -> pb.Entry:
@@ -245,19 +254,7 @@ class LedgerService(Service, rpc.LedgerServicer):
         group's entries, each added by its `add` with an inclusion proof against one signed
         checkpoint that covers them all, and that checkpoint's consistency with `known_size`."""
         indexes = {e.index for _, es in groups for e in es}
-        self.prove_against(
-            response, self._covering(max(indexes, default=-1) + 1, known_size), groups, known_size
-        )
-
-    def prove_against(
-        self,
-        response: Any,
-        signed: SignedCheckpoint,
-        groups: Sequence[tuple[Callable[[], pb.ProvenEntry], Sequence[StoredEntry]]],
-        known_size: int,
-    ) -> None:
-        """`prove` against the checkpoint `signed`, which covers every entry of `groups`."""
-        indexes = {e.index for _, es in groups for e in es}
+        signed = self._covering(max(indexes, default=-1) + 1, known_size)
         proofs = self.ledger.inclusion_proofs(indexes, signed.size)
         for add, entries in groups:
             for e in entries:
@@ -364,16 +361,16 @@ class LedgerService(Service, rpc.LedgerServicer):
         if complete is None:
             return None
         signed, tail, (proof,), named = complete
-        entries = [e for e in named if e.index < signed.size]
+        entries = [(e.index, e.body) for e in named if e.index < signed.size]
         response = pb.LookupResponse()
-        self.prove_against(
-            response,
-            signed,
-            [(response.entries.add, entries), (response.map.entries.add, tail.entries)],
-            request.known_size,
-        )
+        # The entries proven together, as in a batch: each node once.
+        indexes = {index for index, _ in entries}.union(e.index for e in tail.entries)
+        response.inclusion.extend(self.ledger.multiproof(indexes, signed.size))
+        _add_entries(response.entries.add, entries)
+        _add_entries(response.map.entries.add, ((e.index, e.body) for e in tail.entries))
         response.map.top.extend(tail.nodes)
         _fill_proof(response.proof, proof)
+        self._seal(response, signed, request.known_size)
         return response
 
     def _named(self, digests: Sequence[str]) -> Mapping[str, Sequence[tuple[int, bytes]]]:
@@ -438,11 +435,7 @@ class LedgerService(Service, rpc.LedgerServicer):
                 entry.body = body
             _fill_proof(result.proof, map_proof)
         response.map.top.extend(tail.nodes)
-        add_tail = response.map.entries.add
-        for e in tail.entries:
-            entry = add_tail().entry
-            entry.index = e.index
-            entry.body = e.body
+        _add_entries(response.map.entries.add, ((e.index, e.body) for e in tail.entries))
         self._seal(response, signed, request.known_size)
         return response
 

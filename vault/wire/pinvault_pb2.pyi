@@ -1177,6 +1177,10 @@ Global___LookupRequest: _TypeAlias = LookupRequest  # noqa: Y015
 
 @_typing.final
 class LookupResponse(_message.Message):
+    """As in LookupBatchResponse, the entries of `entries` and `map` carry no inclusion proofs of
+    their own: `inclusion` proves them all in the checkpoint's tree together.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ENTRIES_FIELD_NUMBER: _builtins.int
@@ -1184,6 +1188,7 @@ class LookupResponse(_message.Message):
     CONSISTENCY_FIELD_NUMBER: _builtins.int
     MAP_FIELD_NUMBER: _builtins.int
     PROOF_FIELD_NUMBER: _builtins.int
+    INCLUSION_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProvenEntry]: ...
     @_builtins.property
@@ -1196,6 +1201,8 @@ class LookupResponse(_message.Message):
 
     @_builtins.property
     def proof(self) -> Global___SubjectMapProof: ...
+    @_builtins.property
+    def inclusion(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
         self,
         *,
@@ -1204,10 +1211,11 @@ class LookupResponse(_message.Message):
         consistency: Global___ConsistencyProof | None = ...,
         map: Global___SubjectMapTail | None = ...,
         proof: Global___SubjectMapProof | None = ...,
+        inclusion: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "map", b"map", "proof", b"proof"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "entries", b"entries", "map", b"map", "proof", b"proof"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "entries", b"entries", "inclusion", b"inclusion", "map", b"map", "proof", b"proof"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
