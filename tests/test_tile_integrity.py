@@ -10,6 +10,7 @@ import contextlib
 import logging
 import re
 import sqlite3
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from vault.ledger.log import Ledger
 from vault.ledger.records import PinSpec
 from vault.ledger.sequencer import MAX_BATCH
 from vault.ledger.subject_map_store import INDEX_EVERY
+from vault.ledger.tiles import ServedTiles
 from vault.server.tiles_http import TilesServer
 
 ORIGIN = "tiles.test/integrity"
@@ -332,3 +334,37 @@ def test_a_tampered_ledger_is_logged_in_one_line_not_every_interval(
     told = [e for e in errors if "run `vault verify`" in e]
     assert len(told) == 1, caplog.text
     assert "an entry at index 0 to 19 was changed" in told[0]
+
+
+def test_a_ledger_closing_during_a_sweep_of_its_tiles_does_not_wait_for_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server checks its tiles in full a second after it starts: tens of seconds for a
+    ledger of millions of entries (39 s at 3M), which a server stopping must not wait out.
+    Each file's check is made slow here, as a large ledger's many files make the sweep."""
+    key = SigningKey.generate(ORIGIN)
+    with _closing(_open(tmp_path, key)) as vault:
+        vault.grow(3300)
+    checking = threading.Event()
+    checked = 0
+    serve = ServedTiles._serve
+
+    def slow(self: ServedTiles, relative: str, *, cached: bool) -> bytes | None:
+        nonlocal checked
+        if not cached:  # the sweep's full check of one file
+            checked += 1
+            checking.set()
+            time.sleep(0.5)
+        return serve(self, relative, cached=cached)
+
+    monkeypatch.setattr(ServedTiles, "_serve", slow)
+    vault = _open(tmp_path, key, check_every=0.05)
+    try:
+        assert checking.wait(10)
+    finally:
+        start = time.monotonic()
+        vault.ledger.close()
+        took = time.monotonic() - start
+        vault.db.dispose()
+    # The ledger's 13 level 0 tiles, their bundles and the level 1 tile: 27 files a sweep.
+    assert took < 2.0 and checked < 5, (took, checked)

@@ -570,7 +570,7 @@ class Ledger:
         their paths (each also logged, and counted in `tiles_rewritten`)."""
         if self.served_tiles is None or self.fault is not None:
             return []
-        return self.served_tiles.sweep()
+        return self.served_tiles.sweep(stop=self._closed.is_set)
 
     @property
     def tiles_rewritten(self) -> int:

@@ -457,20 +457,26 @@ class ServedTiles:
         there is no such file to serve."""
         return self._serve(relative_path, cached=True)
 
-    def sweep(self) -> list[str]:
+    def sweep(self, stop: Callable[[], bool] = lambda: False) -> list[str]:
         """Check every tile, entry bundle and the checkpoint on disk in full, and every tile
         the published checkpoint needs for being there; write again each one that is damaged
-        or missing. Returns their paths."""
+        or missing. Returns their paths. Ends early, between files, once `stop()` is true: a
+        sweep of a large ledger's tiles takes tens of seconds, and a server stopping must
+        not wait for it."""
         bad: list[str] = []
         published = self.store.published
         wanted = tiles_of(published)
         for tile in [*wanted, *(t.bundle() for t in wanted if t.level == 0)]:
+            if stop():
+                return bad
             if not (self.store.root / tile.path).exists():
                 self._damaged(tile.path, tile, "missing")
                 bad.append(tile.path)
         tile_folder = self.store.root / "tile"
         for folder, _, files in os.walk(tile_folder):
             for name in sorted(files):
+                if stop():
+                    return bad
                 relative = str((Path(folder) / name).relative_to(self.store.root))
                 if relative in bad or parse_tile_path(relative) is None:
                     continue
