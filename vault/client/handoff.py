@@ -184,7 +184,8 @@ class PipedGet:
         cancel = getattr(self._messages, "cancel", None)
         if cancel is not None and not self._ended.is_set():
             cancel()
-        self._thread.join(_ANSWER_WITHIN)
+        if self._thread is not threading.current_thread():  # a reader collected on it
+            self._thread.join(_ANSWER_WITHIN)
 
     def _finish(self, within: float) -> None:
         if not self._ended.wait(within):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final, Protocol
 
 from vault.errors import VerificationError
@@ -587,14 +587,9 @@ def _check_size(value: int, what: str) -> None:
         raise VerificationError(f"{what} must be a non-negative integer, found {value!r}")
 
 
-def _inclusion_steps(
-    leaf_hash: bytes, index: int, size: int, proof: Sequence[bytes]
-) -> Iterator[tuple[int, int, bytes]]:
-    """The nodes an inclusion proof leads through (RFC 9162 §2.1.3.2 steps 1 to 4 and the
-    length check of step 5), each after the hash of the proof that makes it: (the hashes of
-    the proof used, the node's place, the node), where the place (its height and index at that
-    height, one number) is the same for every leaf below it in a tree of `size`. The last is
-    the root the proof leads to."""
+def root_from_inclusion(leaf_hash: bytes, index: int, size: int, proof: Sequence[bytes]) -> bytes:
+    """The root that an inclusion proof leads to (RFC 9162 §2.1.3.2 steps 1 to 4 and the
+    length check of step 5); `verify_inclusion` compares it with the expected root."""
     _check_size(index, "leaf index")
     _check_size(size, "tree size")
     _check_hash(leaf_hash, f"leaf hash of index {index}", index)
@@ -603,7 +598,7 @@ def _inclusion_steps(
         raise VerificationError(
             f"{where}: index is not below the tree size (RFC 9162 §2.1.3.2 step 1)", index=index
         )
-    fn, sn, height = index, size - 1, 0
+    fn, sn = index, size - 1
     node = bytes(leaf_hash)
     for used, sibling in enumerate(proof):
         _check_hash(sibling, f"{where}: hash {used}", index)
@@ -618,27 +613,16 @@ def _inclusion_steps(
             while fn and not fn & 1:
                 fn >>= 1
                 sn >>= 1
-                height += 1
         else:
             node = _sha256(_NODE_PREFIX + node + sibling).digest()
         fn >>= 1
         sn >>= 1
-        height += 1
-        yield used + 1, (fn << 6) | height, node
     if sn != 0:
         raise VerificationError(
             f"{where}: has only {len(proof)} hashes, too few to reach the root "
             "(RFC 9162 §2.1.3.2 step 5)",
             index=index,
         )
-
-
-def root_from_inclusion(leaf_hash: bytes, index: int, size: int, proof: Sequence[bytes]) -> bytes:
-    """The root that an inclusion proof leads to (RFC 9162 §2.1.3.2 steps 1 to 4 and the
-    length check of step 5); `verify_inclusion` compares it with the expected root."""
-    node = bytes(leaf_hash)
-    for step in _inclusion_steps(leaf_hash, index, size, proof):
-        node = step[2]
     return node
 
 
