@@ -14,6 +14,7 @@ from vault.ledger.merkle import (
     EMPTY_ROOT,
     CompactRange,
     MerkleTree,
+    items_root,
     leaf_hash,
     node_hash,
     root_from_inclusion,
@@ -154,6 +155,17 @@ def test_known_roots_of_the_reference_corpus() -> None:
     tree = MerkleTree(hashes)
     assert [tree.root(n).hex() for n in range(1, 9)] == CT_ROOTS
     assert tree.root(0) == EMPTY_ROOT
+
+
+def test_the_root_of_items_is_the_reference_tree_hash_at_every_size() -> None:
+    # items_root builds the tree level by level; RFC 9162 defines it by splitting at the
+    # largest power of two: both give the reference roots, and the same root at every size.
+    assert [items_root(CT_LEAVES[:n]).hex() for n in range(1, 9)] == CT_ROOTS
+    assert items_root([]) == EMPTY_ROOT
+    items = [i.to_bytes(4, "big") for i in range(300)]
+    tree = MerkleTree(leaf_hash(item) for item in items)
+    for size in range(1, 301):
+        assert items_root(items[:size]) == tree.root(size), size
 
 
 @pytest.mark.parametrize(("index", "size"), sorted(CT_INCLUSION))

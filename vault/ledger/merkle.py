@@ -804,6 +804,16 @@ def items_root(items: Iterable[bytes]) -> bytes:
     as a leaf (SHA-256(0x00 || item)) and the leaves joined exactly as the ledger's entries
     are. Over a blob's chunk hashes it is the blob's chunk root, which a pin records so that
     one range can be verified against the signed ledger without the rest of the blob."""
-    tree = CompactRange()
-    tree.extend(_sha256(_LEAF_PREFIX + item).digest() for item in items)
-    return tree.root()
+    sha256 = _sha256
+    level = [sha256(_LEAF_PREFIX + item).digest() for item in items]
+    if not level:
+        return sha256(b"").digest()
+    # Level by level from the leaves, a level's last node carried up alone when it has no
+    # sibling: the same tree as RFC 9162's split at the largest power of two, in one list
+    # comprehension a level rather than a call a leaf.
+    while (count := len(level)) > 1:
+        up = [sha256(b"\x01" + level[i] + level[i + 1]).digest() for i in range(0, count - 1, 2)]
+        if count & 1:
+            up.append(level[-1])
+        level = up
+    return level[0]

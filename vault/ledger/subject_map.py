@@ -91,20 +91,21 @@ def bucket_root(records: bytes) -> bytes:
 def merge(records: bytes, changes: dict[bytes, list[int]]) -> bytes:
     """The bucket `records` (sorted, joined) with each key of `changes` also named by its
     entries (ascending, all newer than what the bucket holds)."""
+    merged = bytearray(records)
     keys = [records[i : i + KEY_SIZE] for i in range(0, len(records), RECORD_SIZE)]
-    values = [records[i + KEY_SIZE : i + RECORD_SIZE] for i in range(0, len(records), RECORD_SIZE)]
     for key in sorted(changes):
         at = bisect_left(keys, key)
-        if at < len(keys) and keys[at] == key:
-            value = values[at]
-        else:
-            keys.insert(at, key)
-            values.insert(at, ZERO_VALUE)
-            value = ZERO_VALUE
+        start = at * RECORD_SIZE
+        known = at < len(keys) and keys[at] == key
+        value = bytes(merged[start + KEY_SIZE : start + RECORD_SIZE]) if known else ZERO_VALUE
         for index in changes[key]:
             value = next_value(value, index)
-        values[at] = value
-    return b"".join(k + v for k, v in zip(keys, values, strict=True))
+        if known:
+            merged[start + KEY_SIZE : start + RECORD_SIZE] = value
+        else:
+            keys.insert(at, key)
+            merged[start:start] = key + value
+    return bytes(merged)
 
 
 class TopTree:

@@ -292,6 +292,7 @@ class LedgerService(Service, rpc.LedgerServicer):
         digests: Sequence[str],
         known_size: int,
         read: Callable[[], tuple[Named, int]],
+        raw: list[bytes] | None = None,
     ) -> tuple[SignedCheckpoint, Tail, Sequence[KeyProof | None], Named] | None:
         """What answers a look-up of `digests` completely: the signed checkpoint it is answered
         against, the entries from the first the newest `index` entry does not cover up to that
@@ -304,8 +305,10 @@ class LedgerService(Service, rpc.LedgerServicer):
         (and the tree the caller verified); if entries were appended meanwhile, they are read
         again. So every entry naming a digest below the checkpoint is in the map or the tail,
         and in what is read. None if the map must first be brought up to the ledger (an
-        upgraded ledger's first look-up): see `_answer`."""
-        raw = sha256_keys(digests)
+        upgraded ledger's first look-up): see `_answer`. `raw`: the digests' keys, if the
+        caller has them from `sha256_keys`."""
+        if raw is None:
+            raw = sha256_keys(digests)
         if raw is None:
             raw = [digest_key(check_digest(d)) for d in digests]
         keys = [sha256(k).digest() for k in raw]
@@ -373,9 +376,11 @@ class LedgerService(Service, rpc.LedgerServicer):
         self._seal(response, signed, request.known_size)
         return response
 
-    def _named(self, digests: Sequence[str]) -> Mapping[str, Sequence[tuple[int, bytes]]]:
-        """The index and body of each entry naming each of `digests`, in index order."""
-        raw = sha256_keys(digests)
+    def _named(
+        self, digests: Sequence[str], raw: list[bytes] | None
+    ) -> Mapping[str, Sequence[tuple[int, bytes]]]:
+        """The index and body of each entry naming each of `digests`, in index order; `raw`:
+        their keys from `sha256_keys`, if all are sha256 digests."""
         if raw is not None:  # the usual batch: nothing to check one by one
             by_key = self.ledger.entries_by_key(raw)
             return dict(zip(digests, map(by_key.__getitem__, raw), strict=True))
@@ -405,12 +410,13 @@ class LedgerService(Service, rpc.LedgerServicer):
                 f"too many digests: {len(request.digests)} (at most {MAX_LOOKUP_BATCH} a call)"
             )
         digests = list(request.digests)  # each read of the message makes new strings
+        raw = sha256_keys(digests)
 
         def read() -> tuple[Mapping[str, Sequence[tuple[int, bytes]]], int]:
-            found = self._named(digests)
+            found = self._named(digests, raw)
             return found, max((es[-1][0] for es in found.values() if es), default=-1)
 
-        complete = self._complete(digests, request.known_size, read)
+        complete = self._complete(digests, request.known_size, read, raw)
         if complete is None:
             return None
         signed, tail, map_proofs, named = complete
