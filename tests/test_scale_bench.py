@@ -99,3 +99,16 @@ def test_the_subject_index_benchmark_measures_both_layouts_and_finds_what_they_h
         [" the vault's ", " 100k "],
     ], out
     assert all(re.search(r"\| [0-9,]+ \([0-9]+\.[0-9]{2}×\) \|", row) for row in rows), out
+
+
+def test_the_subject_map_benchmark_times_a_ledger_keeping_the_map_beside_one_not(
+    tmp_path: Path,
+) -> None:
+    # Two commits of 1,000 pins a ledger: the one keeping the map has an `index` entry after
+    # each, the other none, so the ratio is of the map's work and nothing else.
+    out = bench(tmp_path, "bench.subject_map", "--to", "2000", "--stretch", "1000", timeout=120)
+    rows = re.findall(r"^ +([0-9,]+) +([0-9,]+) +([0-9,]+) +([0-9.]+)x$", out, re.MULTILINE)
+    assert [row[0] for row in rows] == ["1,000", "2,000"], out
+    assert "the map's ledger holds 2,002 entries" in out, out
+    assert "the other 2,000" in out, out
+    assert re.search(r"median of the last 1 stretches: [0-9]+\.[0-9]{2}x", out), out
