@@ -64,7 +64,11 @@ def imported(*args: str, server: str | None = None) -> tuple[int, str, set[str]]
         if line.startswith("import time:") and line.count("|") == 2
     }
     assert modules, done.stderr[-2000:]
-    return done.returncode, done.stdout, modules
+    out = done.stdout
+    if done.returncode != 0:  # what the command said, for the assertion that then fails
+        said = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+        out += "\n[standard error]\n" + "\n".join(said[-40:])
+    return done.returncode, out, modules
 
 
 def loaded(modules: set[str], packages: tuple[str, ...]) -> list[str]:
