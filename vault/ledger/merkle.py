@@ -807,7 +807,7 @@ def items_root(items: Iterable[bytes]) -> bytes:
     sha256 = _sha256
     level = [sha256(_LEAF_PREFIX + item).digest() for item in items]
     if not level:
-        return sha256(b"").digest()
+        return EMPTY_ROOT
     # Level by level from the leaves, a level's last node carried up alone when it has no
     # sibling: the same tree as RFC 9162's split at the largest power of two, in one list
     # comprehension a level rather than a call a leaf.
