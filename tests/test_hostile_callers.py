@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import statistics
 import threading
 import time
@@ -330,3 +331,67 @@ def test_made_up_methods_are_unimplemented_and_remembered_by_no_interceptor() ->
     finally:
         gatekeeper.close()
     assert gatekeeper._handlers == {} and metering._handlers == {}
+
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def closed_by_server(sock: socket.socket, within: float) -> bool:
+    """Whether the server closes `sock` within `within` seconds (reading off what it sent)."""
+    deadline = time.monotonic() + within
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            if not sock.recv(65536):
+                return True
+        except TimeoutError:
+            return False
+        except OSError:  # reset
+            return True
+    return False
+
+
+def test_connections_that_do_nothing_are_bounded_then_closed(start_vault: StartVault) -> None:
+    limited = {
+        **CREDENTIALS,
+        "PINVAULT_SERVER_MAX_CONNECTIONS": "40",
+        "PINVAULT_SERVER_CONNECTION_IDLE_TIMEOUT": "3",
+    }
+    vault = Vault(start_vault(env=limited))
+    pid = server_pid(vault.server)
+    host, port = vault.server.address.rsplit(":", 1)
+    writer = vault.client(vault.admin_token)
+    writer.checkpoint()
+    before = descriptors(pid)
+
+    # 300 connections that never send a byte and 300 that send HTTP/2's preface and no call,
+    # in turns, so that those let in are of both kinds.
+    silent, preface = [], []
+    for _ in range(300):
+        silent.append(socket.create_connection((host, int(port))))
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(PREFACE)
+        preface.append(sock)
+    try:
+        # The caller connected before them is served, and the vault still opens its own files.
+        digest = str(writer.put(os.urandom(64 * 1024)).blob.sha256)
+        writer.pin("dataset", [digest])
+        # At most the 40 connections allowed, and the few files the put and pin opened.
+        held = descriptors(pid) - before
+        assert held <= 50, f"600 idle connections held {held} of the server's descriptors"
+
+        # Each is closed: at once past the bound, else once its handshake or idleness lasts
+        # past the timeout (3 seconds), and then new callers are served again.
+        with ThreadPoolExecutor(32) as pool:
+            closed = list(pool.map(lambda s: closed_by_server(s, 15), silent + preface))
+        assert closed.count(False) == 0, f"{closed.count(False)} idle connections still open"
+        reader = vault.client(vault.token("carol", "vision", "reader"))
+        assert [e.entry.index for e in reader.lookup(digest)]
+    finally:
+        for sock in silent + preface:
+            sock.close()
+    assert descriptors(pid) <= before + 5

@@ -68,6 +68,12 @@ class ServerConfig:
     streams_per_caller: int = 64
     # Seconds a stream may wait for its caller to send or to read before the vault ends it.
     stream_idle_timeout: float = 60.0
+    # Connections held open at once; past it a new one is closed before its handshake. The
+    # vault also keeps a quarter of its open-file limit (at least 256) for its own files.
+    max_connections: int = 4096
+    # Seconds a connection with no call open is kept (a client reconnects on its next call),
+    # and, up to 10, the most a new connection may take to finish its handshake.
+    connection_idle_timeout: float = 300.0
     # Failed credentials one address may present: a bucket of this many, refilled at this rate
     # a second; past it, calls from there are refused at once without a look-up.
     failed_auth_burst: int = 30
@@ -404,6 +410,8 @@ _RANGES: Final[Mapping[str, tuple[float, float]]] = {
     "server.max_streams": (1, 65_536),
     "server.streams_per_caller": (1, 65_536),
     "server.stream_idle_timeout": (0.1, 86_400.0),
+    "server.max_connections": (1, 1_000_000),
+    "server.connection_idle_timeout": (0.1, 86_400.0),
     "server.failed_auth_burst": (1, 1_000_000),
     "server.failed_auth_rate": (0.001, 1_000_000.0),
     "ledger.checkpoint_interval": (0.01, 86_400.0),

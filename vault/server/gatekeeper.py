@@ -47,6 +47,8 @@ class Limits:
     max_streams: int = 256
     streams_per_caller: int = 64
     stream_idle_timeout: float = 60.0
+    max_connections: int = 4096
+    connection_idle_timeout: float = 300.0
 
     @classmethod
     def from_config(cls, config: Config) -> Limits:
@@ -55,6 +57,8 @@ class Limits:
             max_streams=server.max_streams,
             streams_per_caller=server.streams_per_caller,
             stream_idle_timeout=server.stream_idle_timeout,
+            max_connections=server.max_connections,
+            connection_idle_timeout=server.connection_idle_timeout,
         )
 
 

@@ -3,7 +3,8 @@ reflection, listening on one address."""
 
 from __future__ import annotations
 
-from typing import Final
+import resource
+from typing import Any, Final
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -17,7 +18,7 @@ from vault.server.admission_service import AdmissionService
 from vault.server.auth import Gate
 from vault.server.content import Content
 from vault.server.edge import Metering, Service
-from vault.server.gatekeeper import Gatekeeper
+from vault.server.gatekeeper import Gatekeeper, Limits
 from vault.server.ledger_service import LedgerService
 from vault.server.store_service import ScrubRunner, StoreService
 from vault.server.tokens import TokenStore
@@ -52,6 +53,45 @@ SERVER_OPTIONS: Final = [
     ("grpc.http2.lookahead_bytes", STREAM_WINDOW),
 ]
 
+# What the server keeps of its open-file limit for its own files (the ledger's database,
+# tiles, blobs being written, mirrors' sockets), whatever callers do: a quarter, at least this.
+FILES_KEPT: Final = 256
+# The longest a new connection may take to finish its handshake.
+HANDSHAKE_TIMEOUT: Final = 10.0
+
+
+def open_files_limit() -> int:
+    """This process's limit of open files, first raised as far as it may be (to its hard
+    limit, up to 65,536), as Go's runtime does for every server."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65_536 if hard == resource.RLIM_INFINITY else min(hard, 65_536)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return 65_536 if soft == resource.RLIM_INFINITY else soft
+
+
+def max_connections(limits: Limits, open_files: int) -> int:
+    """The connections the server holds at once: as configured, and never so many that its
+    own files could not be opened."""
+    return max(1, min(limits.max_connections, open_files - max(FILES_KEPT, open_files // 4)))
+
+
+def server_options(limits: Limits, open_files: int) -> list[tuple[str, Any]]:
+    """SERVER_OPTIONS with the bounds on connections: how many, how long one may stay with no
+    call open, and how long one may take to finish its handshake (a caller that connects and
+    sends nothing is closed then)."""
+    idle_ms = max(1, round(limits.connection_idle_timeout * 1000))
+    return [
+        *SERVER_OPTIONS,
+        ("grpc.max_allowed_incoming_connections", max_connections(limits, open_files)),
+        ("grpc.max_connection_idle_ms", idle_ms),
+        ("grpc.server_handshake_timeout_ms", min(idle_ms, round(HANDSHAKE_TIMEOUT * 1000))),
+    ]
+
 
 async def build_server(
     ledger: Ledger,
@@ -80,7 +120,8 @@ async def build_server(
     gate = gatekeeper.gate
     # Metering first, so that it counts the calls the gatekeeper refuses too.
     interceptors = [Metering(), gatekeeper] if metered else [gatekeeper]
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    options = server_options(gatekeeper.limits, open_files_limit())
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     ledger_service = LedgerService(ledger, content, witnessing)
     servicers: list[Service] = [StoreService(content, ledger, desk, scrub), ledger_service]
     if admitter is not None:
