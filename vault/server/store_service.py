@@ -79,8 +79,9 @@ class _Upload:
                 raise InvalidArgument(
                     "a put carries one header, first, then only bytes, then its commit"
                 )
-            size += len(message.data)
-            yield message.data
+            data = message.data  # each read of the field copies its bytes
+            size += len(data)
+            yield data
             message = self._receive()
         raise self._uncommitted(size)
 
