@@ -29,6 +29,8 @@ from vault.config import Config
 from vault.errors import QuotaExceeded, Unauthenticated
 from vault.ledger.db import Database
 from vault.server.database import open_ledger_database
+from vault.server.gatekeeper import Limits
+from vault.server.service import max_connections
 from vault.server.tokens import TokenStore
 from vault.wire import pinvault_pb2 as pb
 from vault.wire import pinvault_pb2_grpc as rpc
@@ -395,3 +397,11 @@ def test_connections_that_do_nothing_are_bounded_then_closed(start_vault: StartV
         for sock in silent + preface:
             sock.close()
     assert descriptors(pid) <= before + 5
+
+
+def test_the_bound_on_connections_leaves_the_server_its_own_descriptors() -> None:
+    # A quarter of the open-file limit, and at least 256, stay the server's own.
+    assert max_connections(Limits(max_connections=4096), 65_536) == 4096
+    assert max_connections(Limits(max_connections=4096), 1024) == 768
+    assert max_connections(Limits(max_connections=4096), 300) == 44
+    assert max_connections(Limits(max_connections=10), 1024) == 10

@@ -515,9 +515,9 @@ class Admitter:
         at = 0
         _, chunks = self.content.read(self.content.get(Digest.parse(digest)))
         for chunk in chunks:
-            data = chunk.data  # each read of the field copies its bytes
-            view[at : at + len(data)] = data
-            at += len(data)
+            piece = chunk.data  # each read of the field copies its bytes
+            view[at : at + len(piece)] = piece
+            at += len(piece)
         view.release()
         if at != size:
             raise IntegrityError(f"dataset {digest} read back {at} of its {size} bytes")
