@@ -268,3 +268,13 @@ def test_a_manifest_over_max_manifest_bytes_is_refused_naming_the_setting(
         assert lab.admit().new
     finally:
         lab.client.close()
+
+
+def test_a_manifest_of_many_mib_is_read_whole_and_admitted(lab: Lab) -> None:
+    content = os.urandom(10)
+    lab.put(content)
+    digest = "sha256:" + hashlib.sha256(content).hexdigest()
+    entries = [FileEntry(f"shard-{i:06d}/part.bin", 10, 0o644, digest) for i in range(60_000)]
+    data = encode_manifest(build_manifest(entries))
+    assert len(data) > 6 * 1024 * 1024  # many of the store's chunks
+    assert lab.admit(dataset=lab.pinned("dataset", data)).new
