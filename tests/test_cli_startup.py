@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from cli.main import build_parser
 from tests.services.vault_server import REPO_ROOT, VaultServer, command_env
@@ -49,15 +51,17 @@ NOT_FOR_STAT = (
 def imported(*args: str, server: str | None = None) -> tuple[int, str, set[str]]:
     """Run `vault ARGS…`; its exit status, its standard output and the modules it imported."""
     extra = {"PINVAULT_CLIENT_SERVER": server} if server else {}
-    done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", ENTRY_POINT, *args],
-        capture_output=True,
-        text=True,
-        env=command_env(extra=extra),
-        cwd=REPO_ROOT,
-        timeout=60,
-        check=False,
-    )
+    # A state of its own: the module's server is the first this command sees at its address.
+    with tempfile.TemporaryDirectory(prefix="pinvault-startup-") as state:
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", "-c", ENTRY_POINT, *args],
+            capture_output=True,
+            text=True,
+            env=command_env(state_home=Path(state), extra=extra),
+            cwd=REPO_ROOT,
+            timeout=60,
+            check=False,
+        )
     modules = {
         line.rpartition("|")[2].strip()
         for line in done.stderr.splitlines()

@@ -4,12 +4,15 @@ other `vault` command against it exactly as a user's shell would."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,17 +39,29 @@ STOP_TIMEOUT = 30.0
 _PRIVATE_PREFIXES = ("PINVAULT_", "XDG_", "PG", "AWS_")
 
 
+@functools.cache
+def _tests_state_home() -> Path:
+    """Where commands keep their state when a test names no folder: one of this test process,
+    removed at its exit. Never the user's own, where a server address a test once saw would
+    stay held to that server's key, and a later server on the same port be refused as an
+    impostor."""
+    folder = Path(tempfile.mkdtemp(prefix="pinvault-test-state-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
 def command_env(
     *, state_home: Path | None = None, extra: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """The environment of a `vault` process: the caller's, minus anything that could point it
-    at a real vault, plus `extra`. XDG_STATE_HOME keeps the client's trust state in the test,
-    and XDG_CACHE_HOME (below it) the cache of file digests."""
+    at a real vault, plus `extra`. XDG_STATE_HOME keeps the client's trust state in the test
+    (`state_home`, else a folder of this test process), and XDG_CACHE_HOME (below it) the
+    cache of file digests."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_PRIVATE_PREFIXES)}
     env["PYTHONUNBUFFERED"] = "1"
-    if state_home is not None:
-        env["XDG_STATE_HOME"] = str(state_home)
-        env["XDG_CACHE_HOME"] = str(state_home / "cache")
+    home = state_home if state_home is not None else _tests_state_home()
+    env["XDG_STATE_HOME"] = str(home)
+    env["XDG_CACHE_HOME"] = str(home / "cache")
     env.update(extra or {})
     return env
 
